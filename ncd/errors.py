@@ -1,0 +1,189 @@
+"""User-facing diagnostics.
+
+Each user mistake has its own class with a message template and a hint saying what to do. Errors print as
+`file:line:col: error[code]: message`, then the source line with a caret under the offending text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+from .source import Source, Span
+
+
+class NcdError(Exception):
+    """Base of every error ncd reports about a spec (never an internal failure)."""
+
+    code: ClassVar[str] = "error"
+    template: ClassVar[str] = "{detail}"
+    hint_template: ClassVar[str] = ""
+    severity: ClassVar[str] = "error"
+
+    def __init__(self, span: Span | None = None, *, hint: str | None = None, **fields: object) -> None:
+        self.span = span
+        self.fields = fields
+        self.message = self.template.format(**fields)
+        self.hint = hint if hint is not None else self.hint_template.format(**fields)
+        self.source: Source | None = None
+        super().__init__(self.message)
+
+    def with_source(self, source: Source) -> NcdError:
+        self.source = source
+        return self
+
+    def render(self) -> str:
+        head = f"{self.span}: " if self.span else ""
+        out = [f"{head}{self.severity}[{self.code}]: {self.message}"]
+        if self.span and self.source is not None and self.span.line > 0:
+            text = self.source.line(self.span.line)
+            out.append(f"    {text}")
+            width = self.span.end_col - self.span.col if self.span.end_line == self.span.line else 1
+            width = max(1, min(width, len(text) - self.span.col + 1))
+            out.append("    " + " " * (self.span.col - 1) + "^" * width)
+        if self.hint:
+            out.append(f"  = help: {self.hint}")
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def _choices(names: Iterable[str]) -> str:
+    names = sorted(set(names))
+    return ", ".join(names) if names else "(none declared)"
+
+
+class SpecSyntaxError(NcdError):
+    code = "syntax"
+    template = "{detail}"
+
+
+class InvalidIdentifier(NcdError):
+    code = "invalid-name"
+    template = "'{name}' cannot be used as a name: {reason}"
+    hint_template = (
+        "names are ASCII letters, digits and '_', start with a letter, and are not Python keywords or builtins"
+    )
+
+
+class DuplicateName(NcdError):
+    code = "duplicate-name"
+    template = "'{name}' is already declared (as {kind} at line {line})"
+    hint_template = "axes, tensors, constants and bases share one namespace; rename one of them"
+
+
+class UnknownAxis(NcdError):
+    code = "unknown-axis"
+    template = "unknown axis '{name}'"
+    hint_template = "declared axes: {choices}"
+
+    def __init__(self, span: Span | None, *, name: str, choices: Iterable[str]) -> None:
+        super().__init__(span, name=name, choices=_choices(choices))
+
+
+class UnknownName(NcdError):
+    code = "unknown-name"
+    template = "unknown name '{name}'"
+    hint_template = "tensors, constants and axes in scope here: {choices}"
+
+    def __init__(self, span: Span | None, *, name: str, choices: Iterable[str]) -> None:
+        super().__init__(span, name=name, choices=_choices(choices))
+
+
+class UnknownFunction(NcdError):
+    code = "unknown-function"
+    template = "unknown function '{name}'"
+    hint_template = "available: {choices}"
+
+    def __init__(self, span: Span | None, *, name: str, choices: Iterable[str]) -> None:
+        super().__init__(span, name=name, choices=_choices(choices))
+
+
+class UnknownDtype(NcdError):
+    code = "unknown-dtype"
+    template = "unknown dtype '{name}'"
+    hint_template = "use one of: {choices}"
+
+    def __init__(self, span: Span | None, *, name: str, choices: Iterable[str]) -> None:
+        super().__init__(span, name=name, choices=_choices(choices))
+
+
+class ArityError(NcdError):
+    code = "arity"
+    template = "{name}() takes {expected}, got {got}"
+
+
+class BadArgument(NcdError):
+    code = "bad-argument"
+    template = "{name}(): {detail}"
+
+
+class ContractionAxisMissing(NcdError):
+    code = "contraction-axis"
+    template = "cannot contract over '{axis}': the {side} operand has axes [{axes}]"
+    hint_template = (
+        "both sides of `L . R over AXES` must carry every contracted axis; "
+        "to sum one side alone use sum(x, over {axis})"
+    )
+
+
+class AxisMismatch(NcdError):
+    code = "axis-mismatch"
+    template = "{detail}"
+
+
+class SizeMismatch(NcdError):
+    code = "size-mismatch"
+    template = "{detail}"
+
+
+class RankMismatch(NcdError):
+    code = "rank-mismatch"
+    template = "'{name}' has {expected} axes [{axes}] but is indexed with {got}"
+
+
+class IndexOutOfRange(NcdError):
+    code = "index-range"
+    template = "index {index} of '{name}' can reach {value}, outside axis '{axis}' of size {size}"
+
+
+class TypeMismatch(NcdError):
+    code = "type"
+    template = "{detail}"
+
+
+class CyclicDefinition(NcdError):
+    code = "cycle"
+    template = "'{name}' depends on itself: {cycle}"
+    hint_template = (
+        "definitions must form a directed acyclic graph; "
+        "a state carried along an axis is written with scan(..., over AXIS) and `prev`"
+    )
+
+
+class InvalidStatement(NcdError):
+    code = "invalid"
+    template = "{detail}"
+
+
+class NotStreamable(NcdError):
+    code = "not-streamable"
+    template = "{detail}"
+
+
+class CallError(NcdError):
+    """Wrong shapes, dtypes or devices at call time: names the tensor and the axis."""
+
+    code = "call"
+    template = "{detail}"
+
+
+class Warning_(NcdError):
+    severity = "warning"
+
+
+class UnusedInput(Warning_):
+    code = "unused"
+    template = "{kind} '{name}' is declared but never used"
+    hint_template = "remove it, or use it in a definition"

@@ -1,0 +1,311 @@
+"""Spec text -> `ncd.ast.Module`. Lark's exceptions become `SpecSyntaxError`s with a location and
+what was expected there."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from functools import lru_cache
+from typing import Any
+
+import lark
+from lark import Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+
+from . import ast
+from .errors import NcdError, SpecSyntaxError
+from .grammar import grammar_text
+from .source import Source, Span
+
+
+class _Newlines:
+    """Post-lexer: newlines inside () and [] continue the line; runs of newlines collapse to one;
+    a final newline is always present so the last statement needs none."""
+
+    always_accept = ("_NL",)
+
+    def process(self, stream: Iterator[Token]) -> Iterator[Token]:
+        # Tokens go out as they come: the contextual lexer lexes each token in the parser state the
+        # previous one left, so nothing may be held back.
+        depth = 0
+        last: Token | None = None
+        for tok in stream:
+            if tok.type == "_NL" and (depth > 0 or last is None or last.type == "_NL"):
+                continue
+            if tok.type in ("LPAR", "LSQB"):
+                depth += 1
+            elif tok.type in ("RPAR", "RSQB"):
+                depth = max(0, depth - 1)
+            last = tok
+            yield tok
+        if last is not None and last.type != "_NL":
+            yield Token.new_borrow_pos("_NL", "\n", last)
+
+
+@lru_cache(maxsize=1)
+def _parser() -> lark.Lark:
+    return lark.Lark(
+        grammar_text(), parser="lalr", lexer="contextual", postlex=_Newlines(), propagate_positions=True
+    )
+
+
+_FRIENDLY = {
+    "NAME": "a name",
+    "INT": "an integer",
+    "FLOAT": "a number",
+    "_NL": "end of line",
+    "$END": "end of file",
+    "FUNC_HEAD": "an inline function such as `a1(x) =`",
+    "COMPARE": "a comparison",
+}
+
+
+def _describe_expected(expected: set[str]) -> str:
+    parser = _parser()
+    words = set()
+    for name in expected:
+        if name in _FRIENDLY:
+            words.add(_FRIENDLY[name])
+            continue
+        try:
+            pattern = parser.get_terminal(name).pattern
+        except KeyError:
+            words.add(name.lower())
+            continue
+        words.add(f"'{pattern.value}'" if isinstance(pattern, lark.lexer.PatternStr) else name.lower())
+    ordered = sorted(words, key=lambda w: (not w.startswith("'"), w))
+    if len(ordered) > 10:
+        ordered = [*ordered[:10], "..."]
+    return ", ".join(ordered)
+
+
+def _token_text(tok: Token) -> str:
+    if tok.type == "$END":
+        return "end of file"
+    if tok.type == "_NL":
+        return "end of line"
+    return f"'{tok.value}'"
+
+
+def _syntax_error(err: UnexpectedInput, source: Source) -> SpecSyntaxError:
+    line = getattr(err, "line", None) or 1
+    col = getattr(err, "column", None) or 1
+    if isinstance(err, UnexpectedToken):
+        tok = err.token
+        if tok.type == "$END" or tok.line is None:
+            lines = source.text.splitlines() or [""]
+            line, col = len(lines), len(lines[-1]) + 1
+        else:
+            line, col = tok.line, tok.column
+        width = max(1, len(str(tok.value))) if tok.type not in ("_NL", "$END") else 1
+        detail = f"unexpected {_token_text(tok)}; expected {_describe_expected(set(err.expected))}"
+    elif isinstance(err, UnexpectedCharacters):
+        pos = err.pos_in_stream or 0
+        char = source.text[pos] if pos < len(source.text) else "?"
+        width = 1
+        detail = f"unexpected character {char!r}"
+        if err.allowed:
+            detail += f"; expected {_describe_expected(set(err.allowed))}"
+    elif isinstance(err, UnexpectedEOF):
+        lines = source.text.splitlines() or [""]
+        line, col, width = len(lines), len(lines[-1]) + 1, 1
+        detail = f"unexpected end of file; expected {_describe_expected(set(err.expected))}"
+    else:  # pragma: no cover - lark has no other UnexpectedInput subclasses
+        width, detail = 1, str(err)
+    span = Span(source.filename, line, col, line, col + width)
+    return SpecSyntaxError(span, detail=detail, hint="see docs/language.md for the statement forms")
+
+
+def parse(text: str, filename: str = "<string>") -> ast.Module:
+    """Parse spec text into an AST, raising `SpecSyntaxError` with a location on malformed input."""
+    source = Source(text, filename)
+    try:
+        tree = _parser().parse(text)
+    except UnexpectedInput as err:
+        raise _syntax_error(err, source).with_source(source) from None
+    try:
+        statements = flatten_statements(_ToAst(source).transform(tree))
+    except VisitError as err:
+        if isinstance(err.orig_exc, NcdError):
+            raise err.orig_exc.with_source(source) from None
+        raise
+    return ast.Module(tuple(statements), source)
+
+
+_FUNC_HEAD = re.compile(r"([A-Za-z_][A-Za-z_0-9]*)[ \t]*\([ \t]*([A-Za-z_][A-Za-z_0-9]*)")
+
+
+@v_args(meta=True)
+class _ToAst(Transformer[Any, Any]):
+    def __init__(self, source: Source) -> None:
+        super().__init__()
+        self.file = source.filename
+
+    def _span(self, meta: Any) -> Span:
+        return Span(self.file, meta.line, meta.column, meta.end_line, meta.end_column)
+
+    def _tok(self, tok: Token) -> Span:
+        return Span(self.file, tok.line or 0, tok.column or 0, tok.end_line or 0, tok.end_column or 0)
+
+    def _ident(self, tok: Token) -> ast.Ident:
+        return ast.Ident(str(tok), self._tok(tok))
+
+    # statements
+    def start(self, meta, items):
+        return list(items)
+
+    def spec_stmt(self, meta, items):
+        return ast.SpecName(self._ident(items[0]), self._span(meta))
+
+    def axis_stmt(self, meta, items):
+        return list(items)
+
+    def axis_bound(self, meta, items):
+        return ast.AxisDecl(self._ident(items[0]), "bound", None, (), self._span(meta))
+
+    def axis_fixed(self, meta, items):
+        return ast.AxisDecl(self._ident(items[0]), "fixed", int(items[1]), (), self._span(meta))
+
+    def axis_product(self, meta, items):
+        factors = tuple(self._ident(t) for t in items[1:])
+        return ast.AxisDecl(self._ident(items[0]), "product", None, factors, self._span(meta))
+
+    def const_stmt(self, meta, items):
+        return ast.ConstDecl(self._ident(items[0]), items[1], self._span(meta))
+
+    def role(self, meta, items):
+        return str(items[0])
+
+    def dtype(self, meta, items):
+        return ("dtype", self._ident(items[0]))
+
+    def shape(self, meta, items):
+        return ("shape", tuple(self._ident(t) for t in items))
+
+    def tensor_stmt(self, meta, items):
+        role, name, rest = items[0], items[1], items[2:]
+        axes = dtype = value = None
+        for item in rest:
+            if isinstance(item, tuple) and item[0] == "shape":
+                axes = item[1]
+            elif isinstance(item, tuple) and item[0] == "dtype":
+                dtype = item[1]
+            else:
+                value = item
+        return ast.TensorDecl(role, self._ident(name), axes, dtype, value, self._span(meta))
+
+    def define_stmt(self, meta, items):
+        axes = items[1][1] if len(items) == 3 else None
+        return ast.Define(self._ident(items[0]), axes, items[-1], self._span(meta))
+
+    def basis_stmt(self, meta, items):
+        name, param, *rules = items
+        return ast.BasisDecl(self._ident(name), self._ident(param), tuple(rules), self._span(meta))
+
+    def basis_rule(self, meta, items):
+        return ast.BasisRule(self._ident(items[0]), items[1], items[2], self._span(meta))
+
+    # expressions
+    def contract(self, meta, items):
+        return ast.Contract(items[0], items[1], items[2], self._span(meta))
+
+    def axis_names(self, meta, items):
+        return tuple(self._ident(t) for t in items)
+
+    def compare(self, meta, items):
+        return ast.Binary(str(items[1]), items[0], items[2], self._span(meta))
+
+    def _binary(self, op: str, meta: Any, items: list[Any]) -> ast.Binary:
+        return ast.Binary(op, items[0], items[1], self._span(meta))
+
+    def add(self, meta, items):
+        return self._binary("+", meta, items)
+
+    def sub(self, meta, items):
+        return self._binary("-", meta, items)
+
+    def mul(self, meta, items):
+        return self._binary("*", meta, items)
+
+    def div(self, meta, items):
+        return self._binary("/", meta, items)
+
+    def pow(self, meta, items):
+        return self._binary("^", meta, items)
+
+    def neg(self, meta, items):
+        return ast.Neg(items[0], self._span(meta))
+
+    def number(self, meta, items):
+        text = str(items[0])
+        value: int | float = int(text) if items[0].type == "INT" else float(text)
+        return ast.Number(value, self._span(meta))
+
+    def name(self, meta, items):
+        return ast.NameRef(str(items[0]), self._span(meta))
+
+    def index_items(self, meta, items):
+        return tuple(items)
+
+    def index_name(self, meta, items):
+        return ast.IndexName(self._ident(items[0]))
+
+    def index_int(self, meta, items):
+        return ast.IndexInt(int(items[0]), self._span(meta))
+
+    def index_plus(self, meta, items):
+        return ast.IndexOffset(self._ident(items[0]), int(items[1]), self._span(meta))
+
+    def index_minus(self, meta, items):
+        return ast.IndexOffset(self._ident(items[0]), -int(items[1]), self._span(meta))
+
+    def indexed(self, meta, items):
+        return ast.Indexed(self._ident(items[0]), items[1], self._span(meta))
+
+    def basis_eval(self, meta, items):
+        return ast.BasisEval(self._ident(items[0]), items[1], items[2], self._span(meta))
+
+    def call(self, meta, items):
+        args = tuple(a for a in items[1:] if a is not None)
+        return ast.Call(self._ident(items[0]), args, self._span(meta))
+
+    def over_arg(self, meta, items):
+        return ast.OverArg(items[0], self._span(meta))
+
+    def keyword_arg(self, meta, items):
+        return ast.KeywordArg(self._ident(items[0]), items[1], self._span(meta))
+
+    def function_arg(self, meta, items):
+        head: Token = items[0]
+        match = _FUNC_HEAD.match(str(head))
+        assert match is not None  # the terminal's regex guarantees the shape
+        line, col = head.line or 0, head.column or 0
+        name = ast.Ident(match.group(1), Span(self.file, line, col, line, col + len(match.group(1))))
+        pcol = col + match.start(2)
+        param = ast.Ident(match.group(2), Span(self.file, line, pcol, line, pcol + len(match.group(2))))
+        return ast.FunctionArg(name, param, items[1], self._span(meta))
+
+    def comprehension_arg(self, meta, items):
+        return ast.Comprehension(items[0], self._ident(items[1]), items[2], self._span(meta))
+
+    def int_range(self, meta, items):
+        return ast.IntRange(items[0], items[1], self._span(meta))
+
+    def axis_range(self, meta, items):
+        return ast.AxisRange(self._ident(items[0]), self._span(meta))
+
+    def bound_int(self, meta, items):
+        return int(items[0])
+
+    def bound_neg(self, meta, items):
+        return -int(items[0])
+
+    def bound_name(self, meta, items):
+        return self._ident(items[0])
+
+
+def flatten_statements(items: list[Any]) -> list[ast.Statement]:
+    out: list[ast.Statement] = []
+    for item in items:
+        out.extend(item if isinstance(item, list) else [item])
+    return out

@@ -1,0 +1,30 @@
+"""Every NCD_* environment switch, read in one place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Settings:
+    verify: bool  # NCD_VERIFY: re-verify the IR after every stage (default on)
+    debug: bool  # NCD_DEBUG: show Python tracebacks for internal errors
+    cache_dir: Path  # NCD_CACHE_DIR: where compiled ops are cached
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        cache = os.environ.get("NCD_CACHE_DIR") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ncd"
+        )
+        return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=Path(cache))
+
+
+def settings() -> Settings:
+    return Settings.from_env()

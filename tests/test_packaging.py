@@ -1,0 +1,69 @@
+"""A non-editable install from a built wheel works from any directory: console script, grammar, templates."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+
+import pytest
+
+from .conftest import ROOT, SPECS
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """Build the wheel and install it, without dependencies, into a fresh venv that borrows them from the
+    running interpreter's site-packages (CI has no reason to download them twice)."""
+    base = tmp_path_factory.mktemp("pkg")
+    wheels = base / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ROOT)],
+        check=True, cwd=base,
+    )
+    (wheel,) = wheels.glob("ncd-*.whl")
+    env_dir = base / "venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                    "--no-index", str(wheel)], check=True, cwd=base)
+    workdir = base / "elsewhere"
+    workdir.mkdir()
+    return env_dir / "bin", workdir
+
+
+def _run(cmd, cwd):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_console_script_help_and_version(installed):
+    bindir, workdir = installed
+    result = _run([str(bindir / "ncd"), "--help"], workdir)
+    assert result.returncode == 0 and "compile" in result.stdout and "check" in result.stdout
+    result = _run([str(bindir / "ncd"), "--version"], workdir)
+    assert result.returncode == 0 and result.stdout.startswith("ncd ")
+
+
+def test_compile_absolute_path_from_any_directory(installed):
+    bindir, workdir = installed
+    spec = next(p for p in SPECS if p.stem == "spherical_attention").resolve()
+    result = _run([str(bindir / "ncd"), "compile", str(spec), "--emit", "ir"], workdir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("spec spherical_attention")
+
+
+def test_package_data_comes_from_the_install(installed):
+    bindir, workdir = installed
+    code = (
+        "import ncd, ncd.grammar, ncd.templates, ncd.codegen, pathlib; "
+        "print(ncd.__file__); print(len(ncd.grammar.grammar_text())); "
+        "print(sorted(p.name for p in pathlib.Path(ncd.templates.__file__).parent.glob('*.jinja')))"
+    )
+    result = _run([str(bindir / "python"), "-c", code], workdir)
+    assert result.returncode == 0, result.stderr
+    location, grammar_chars, templates = result.stdout.splitlines()
+    assert str(bindir.parent) in location and str(ROOT) not in location
+    assert int(grammar_chars) > 1000
+    assert templates != "[]"
