@@ -4,6 +4,14 @@ from .errors import NcdError
 from .ir import Program
 from .pipeline import FrontEnd, front_end, load_spec
 
+
+def load(path, cache_dir=None):  # noqa: ANN001, ANN201 - imported lazily: torch is heavy
+    """Compile a spec (cached by content hash) and return its op; see `ncd.ops.load`."""
+    from .ops import load as _load
+
+    return _load(path, cache_dir)
+
+
 __version__ = "0.1.0"
 
-__all__ = ["FrontEnd", "NcdError", "Program", "__version__", "front_end", "load_spec"]
+__all__ = ["FrontEnd", "NcdError", "Program", "__version__", "front_end", "load", "load_spec"]

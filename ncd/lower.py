@@ -36,6 +36,7 @@ from .errors import (
 )
 from .identifiers import check_identifier
 from .source import Span
+from .symbolic import to_sympy
 
 STRUCTURAL = ("sum", "max", "min", "where", "size", "normalize", "scan", "chebyshev_solve")
 FUNCTIONS = (*ir.ELEMENTWISE, *STRUCTURAL)
@@ -211,7 +212,7 @@ class _Lowering:
 
     def _evaluate(self, node: ir.Node, what: str) -> float:
         try:
-            value = float(_to_sympy(node, self.axes))
+            value = float(to_sympy(node, self.axes))
         except (TypeError, ValueError, ZeroDivisionError):
             raise TypeMismatch(node.span, detail=f"{what} must be a number known when the spec compiles",
                                hint="use literals, other constants and size(AXIS) of fixed-size axes") from None
@@ -513,7 +514,7 @@ class _ExprLowering:
 
     def _pow(self, base: ir.Node, exponent: ir.Node, e: ast.Binary) -> ir.Node:
         try:
-            value = sympy.nsimplify(_to_sympy(exponent, self.o.axes))
+            value = sympy.nsimplify(to_sympy(exponent, self.o.axes))
         except TypeError:
             value = None
         if value is None or exponent.axes or not value.is_integer:
@@ -783,33 +784,3 @@ def _referenced_names(e: object) -> set[str]:
         elif isinstance(item, tuple):
             stack.extend(item)
     return out
-
-
-def _to_sympy(node: ir.Node, axes: dict[str, ir.Axis]) -> sympy.Expr:
-    """A scalar IR expression as sympy (constants, sizes, variables and arithmetic)."""
-    if isinstance(node, ir.Const):
-        value = node.value
-        return sympy.Integer(int(value)) if value == int(value) else sympy.Float(value)
-    if isinstance(node, ir.SizeOf):
-        return axes[node.axis].size
-    if isinstance(node, ir.Var):
-        return sympy.Symbol(node.name, integer=True)
-    if isinstance(node, ir.Unary):
-        arg = _to_sympy(node.arg, axes)
-        if node.fn == "neg":
-            return -arg
-        return _SYMPY_FUNCTIONS[node.fn](arg)
-    if isinstance(node, ir.Binary) and not node.boolean:
-        lhs, rhs = _to_sympy(node.lhs, axes), _to_sympy(node.rhs, axes)
-        return {"+": lhs + rhs, "-": lhs - rhs, "*": lhs * rhs, "/": lhs / rhs,
-                "max": sympy.Max(lhs, rhs), "min": sympy.Min(lhs, rhs)}[node.op]
-    if isinstance(node, ir.Pow):
-        return _to_sympy(node.base, axes) ** node.exponent
-    raise TypeError(f"{type(node).__name__} is not a scalar expression")
-
-
-_SYMPY_FUNCTIONS = {
-    "abs": sympy.Abs, "sign": sympy.sign, "exp": sympy.exp, "log": sympy.log, "sqrt": sympy.sqrt,
-    "tanh": sympy.tanh, "sigmoid": lambda x: 1 / (1 + sympy.exp(-x)), "sin": sympy.sin, "cos": sympy.cos,
-    "acos": sympy.acos,
-}

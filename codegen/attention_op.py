@@ -1,0 +1,96 @@
+"""Render the complete generated module for an attention spec: kernels (attention.py.jinja) followed by the
+PyTorch op (attention_op.py.jinja). Only checked identifiers and numbers from the IR reach the text."""
+
+from __future__ import annotations
+
+import ast
+
+import sympy
+
+from ncd import ir
+from ncd.attention import AttentionRoles, KernelMaps
+from ncd.streaming import Certificate
+from ncd.symbolic import to_sympy
+
+from .attention import AttentionKernelSpec, _environment, render_attention_module
+
+
+def kernel_spec(name: str, cert: Certificate, roles: AttentionRoles, maps: KernelMaps,
+                program: ir.Program) -> AttentionKernelSpec:
+    norm_line = cert.span.origin
+    out_line = program.tensor(roles.output).span.origin
+    origin = [("a1", norm_line), ("a2", norm_line), ("da1", norm_line), ("da2", norm_line), ("b", norm_line),
+              ("db_over_b", norm_line), ("online_max", norm_line), ("output", out_line)]
+    if roles.causal:
+        origin.append(("causal", norm_line))
+    if roles.weight:
+        origin.append(("weight", program.tensor(roles.weight).span.origin))
+    if isinstance(roles.scale, str):
+        origin.append(("scale", program.tensor(roles.scale).span.origin))
+    return AttentionKernelSpec(
+        name=name, a1=maps.a1, a2=maps.a2, da1=maps.da1, da2=maps.da2, b=maps.b, db_over_b=maps.db_over_b,
+        online_max=cert.rescale is not None, causal=roles.causal, has_weight=roles.weight is not None,
+        origin=tuple(origin),
+    )
+
+
+def _default_code(program: ir.Program, tensor: ir.Tensor) -> str:
+    assert tensor.default is not None
+    expr = to_sympy(tensor.default, {a.name: a for a in program.axes})
+    if not expr.free_symbols:
+        return repr(float(expr))
+    names = {s: sympy.Symbol(f"sizes_{s.name}") for s in expr.free_symbols}
+    code = sympy.pycode(expr.subs(names), fully_qualified_modules=True)
+    for s in expr.free_symbols:
+        code = code.replace(f"sizes_{s.name}", f'sizes["{s.name}"]')
+    return f"float({code})"
+
+
+def render_attention_op(program: ir.Program, cert: Certificate, roles: AttentionRoles, maps: KernelMaps,
+                        op_id: str) -> str:
+    spec = kernel_spec(op_id, cert, roles, maps, program)
+    kernels = render_attention_module(spec)
+    inputs = program.inputs
+    params: list[str] = []
+    tensor_inputs, scalar_inputs = [], []
+    optional = False
+    for t in inputs:
+        if t.axes:
+            tensor_inputs.append({"name": t.name, "axes": repr(t.axes), "origin": t.span.origin})
+        if t.default is not None:
+            optional = True
+            scalar_inputs.append({"name": t.name, "default": _default_code(program, t), "origin": t.span.origin})
+            params.append(f"{t.name}=None")
+        elif optional:
+            raise ValueError(f"input {t.name} without a default follows one with a default")
+        else:
+            params.append(t.name)
+    spec_axes = {t.name: t.axes for t in program.tensors}
+    o_axes = spec_axes[roles.output]
+    perms = {
+        "q": tuple(spec_axes[roles.query].index(a) for a in roles.q_axes),
+        "k": tuple(spec_axes[roles.key].index(a) for a in roles.k_axes),
+        "v": tuple(spec_axes[roles.value].index(a) for a in roles.v_axes),
+        "o_inverse": tuple(roles.o_axes.index(a) for a in o_axes),
+    }
+    weight_expr = ""
+    if roles.weight is not None:
+        assert roles.weight_axes is not None
+        batch, key = roles.weight_axes
+        w_axes = spec_axes[roles.weight]
+        if w_axes == (key,):
+            weight_expr = f'{roles.weight}.unsqueeze(0).expand(sizes["{batch}"], -1)'
+        else:
+            weight_expr = f"{roles.weight}.permute({tuple(w_axes.index(a) for a in (batch, key))})"
+    axes_table = {a.name: (a.fixed, a.factors) for a in program.axes}
+    scale_expr = roles.scale if isinstance(roles.scale, str) else repr(roles.scale)
+    wrapper = _environment().get_template("attention_op.py.jinja").render(
+        spec_name=program.name, origin_file=program.source.filename.rsplit("/", 1)[-1], op_id=op_id,
+        params=params, signature=", ".join(params), axes_table=repr(axes_table), tensor_inputs=tensor_inputs,
+        scalar_inputs=scalar_inputs, roles=roles, perms=perms, weight_expr=weight_expr, scale_expr=scale_expr,
+        output=roles.output, output_axes=o_axes, origins={"output": program.tensor(roles.output).span.origin,
+                                                           "weight": spec.origin and dict(spec.origin).get("weight", "")},
+    )
+    text = kernels + wrapper
+    ast.parse(text)
+    return text

@@ -1,0 +1,76 @@
+"""`ncd.load(path)`: compile a spec (or reuse the cached result), import the generated module, return the op.
+
+Generated modules are cached by content hash under the user cache directory (NCD_CACHE_DIR). Writes go to a
+temporary file that is renamed into place, so processes compiling the same spec at once never see a torn
+file: they write identical text and the last rename wins."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .backend import generate, op_id
+from .pipeline import FrontEnd, load_spec
+from .settings import settings
+
+
+class Op:
+    """A compiled spec: call it like a function; `.module` is the generated code, `.Module` an nn.Module."""
+
+    def __init__(self, front: FrontEnd, module: ModuleType, path: Path) -> None:
+        self.front = front
+        self.module = module
+        self.path = path
+        self.name = front.program.name
+        self.fn = getattr(module, self.name)
+        self.Module = module.Module
+        self.__doc__ = self.fn.__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<ncd op {self.name} from {self.front.source.filename}>"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _import(path: Path, name: str) -> ModuleType:
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load(path: str | Path, cache_dir: str | Path | None = None) -> Op:
+    """Compile the spec at `path` (cached by content) and return its op."""
+    front = load_spec(path)
+    ident = op_id(front)
+    directory = Path(cache_dir) if cache_dir is not None else settings().cache_dir
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"{ident}.py"
+    if not target.is_file():
+        _write_atomically(target, generate(front))
+    return Op(front, _import(target, f"ncd_generated_{ident}"), target)

@@ -1,0 +1,256 @@
+"""Streamability: prove that a contraction over a normalised axis can be computed block by block.
+
+Lemma 1 of papers/spherical-attention-ncd.txt: a normalized contraction
+    O = sum_j a1(x_j) y_j / b(sum_j a2(x_j))
+streams over j with the accumulator (o, z) -> (o + a1(x_j) y_j, z + a2(x_j)), initial (0, 0) and tail o / b(z).
+Fusion: an element-wise map g applied to x before normalising composes into a1 and a2 (a1 o g, a2 o g), so
+streamability survives it; broadcasting over axes other than the streamed one leaves the accumulator per row.
+
+When a1 = C1 exp(c1 x) and a2 = C2 exp(c2 x) and b is homogeneous of degree c1 / c2, the accumulators may be
+kept relative to a running maximum m: the pass derives this (softmax) instead of being told.
+
+The normaliser can be written with `normalize(...)` or spelled out (`exp(S) / sum(exp(S), over key)`); the
+spelled-out form is separated symbolically into a1(s) / b(r) or rejected with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from . import ir
+from .errors import NotStreamable
+from .source import Span
+from .symbolic import lambda_to_sympy, to_sympy
+
+X = sympy.Symbol("x", real=True)
+Z = sympy.Symbol("z", positive=True)
+_T = sympy.Symbol("t", positive=True)
+_M = sympy.Symbol("m", real=True)
+
+
+@dataclass(frozen=True)
+class Rescale:
+    """Online max: a1 and a2 are exponentials with rates c1, c2; b has degree c1 / c2."""
+
+    c1: sympy.Expr
+    c2: sympy.Expr
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """Why and how `output` streams over `axis`: accumulators, their update and the tail."""
+
+    output: str
+    axis: str
+    a1: sympy.Expr  # in X: the per-element weight, composed with any pre-map
+    a2: sympy.Expr  # in X: the aggregated summand
+    b: sympy.Expr  # in Z: the normaliser of the aggregate
+    rescale: Rescale | None
+    scale: sympy.Expr  # s = scale * (the contraction): a number or a scalar input's symbol
+    span: Span
+
+    @property
+    def state(self) -> tuple[str, ...]:
+        return ("m", "o", "z") if self.rescale else ("o", "z")
+
+    def derivatives(self) -> dict[str, sympy.Expr]:
+        """The backward's symbolic pieces (shared anchors): a1', a2' and b'/b."""
+        return {
+            "da1": sympy.simplify(sympy.diff(self.a1, X)),
+            "da2": sympy.simplify(sympy.diff(self.a2, X)),
+            "db_over_b": sympy.simplify(sympy.diff(self.b, Z) / self.b),
+        }
+
+    def describe(self) -> list[str]:
+        d = self.derivatives()
+        lines = [f"stream {self.output} over '{self.axis}' (normalized-contraction lemma)",
+                 f"  x = {self.scale} * (the score contraction)",
+                 f"  a1(x) = {self.a1}    a2(x) = {self.a2}    b(z) = {self.b}"]
+        if self.rescale is None:
+            lines += ["  state: o (per row, value width), z (per row)",
+                      "  init: o = 0, z = 0",
+                      "  update: o += a1(x) v;  z += a2(x)",
+                      "  finalize: O = o / b(z)"]
+        else:
+            c1, c2 = self.rescale.c1, self.rescale.c2
+            lines += ["  online max: a1, a2 exponential (rates "
+                      f"{c1}, {c2}); b homogeneous of degree {sympy.simplify(c1 / c2)}",
+                      "  state: m (running row max), o, z",
+                      "  init: m = -inf, o = 0, z = 0",
+                      "  update: m' = max(m, max_j x); o = o * a1(m - m') + a1(x - m') v; z = z * a2(m - m') + a2(x - m')",
+                      "  finalize: O = o / b(z)  (the common factor cancels)"]
+        lines += [f"  backward: a1'(x) = {d['da1']};  a2'(x) = {d['da2']};  b'(z)/b(z) = {d['db_over_b']}",
+                  "  saved per row: " + ("m, z" if self.rescale else "z")]
+        return lines
+
+
+def derive_rescale(a1: sympy.Expr, a2: sympy.Expr, b: sympy.Expr) -> Rescale | None | str:
+    """Rescale if a1, a2 are exponentials and b is homogeneous of the matching degree; None if neither is
+    exponential; otherwise the reason streaming would overflow."""
+    rates = []
+    for f in (a1, a2):
+        rate = sympy.simplify(sympy.diff(f, X) / f)
+        rates.append(rate if X not in rate.free_symbols and rate.is_positive else None)
+    if rates == [None, None]:
+        return None
+    if None in rates:
+        which = "a1" if rates[0] is not None else "a2"
+        return f"{which} grows exponentially but the other does not, so no common rescale keeps it finite"
+    c1, c2 = rates
+    degree = sympy.simplify(c1 / c2)
+    if sympy.simplify(b.subs(Z, _T * Z) - _T**degree * b) != 0:
+        return (f"a1, a2 are exponentials, so a running-max rescale is needed, but b(z) = {b} is not "
+                f"homogeneous of degree {degree}")
+    return Rescale(c1, c2)
+
+
+def certify(program: ir.Program) -> list[Certificate]:
+    """Certificates for every output that is a normalized contraction; rejects what cannot stream."""
+    return [c for d in program.definitions if (c := _certify_definition(program, d)) is not None]
+
+
+def _inline(program: ir.Program, node: ir.Node) -> ir.Node:
+    """Follow a load of an intermediate to its definition (intermediates of whole tensors only)."""
+    while isinstance(node, ir.Load) and program.tensor(node.tensor).role == "let":
+        if any(i.axis is None for i in node.index):
+            return node
+        node = next(d.value for d in program.definitions if d.tensor == node.tensor)
+    return node
+
+
+def _walk_inlined(program: ir.Program, node: ir.Node):
+    """Every node below `node`, looking through loads of whole intermediates; contractions are leaves."""
+    node = _inline(program, node)
+    yield node
+    if not isinstance(node, ir.Contract):
+        for child in ir.children(node):
+            yield from _walk_inlined(program, child)
+
+
+def _certify_definition(program: ir.Program, d: ir.Definition) -> Certificate | None:
+    value = _inline(program, d.value)
+    if not isinstance(value, ir.Contract) or len(value.over) != 1:
+        return None
+    axis = value.over[0]
+    for weights in (_inline(program, value.lhs), _inline(program, value.rhs)):
+        if isinstance(weights, ir.Normalize) and weights.over == axis:
+            return _from_normalize(program, d, weights)
+        aggregates = [n for n in ir.walk(weights) if isinstance(n, ir.Reduce) and axis in n.over]
+        if aggregates:
+            return _from_expression(program, d, weights, axis, aggregates)
+    return None
+
+
+def _score(program: ir.Program, node: ir.Node, axis: str, blame: ir.Node) -> tuple[ir.Contract, sympy.Expr]:
+    """The contraction that produces the scores and the element-wise map applied to them."""
+    wires = [n for n in _walk_inlined(program, node) if isinstance(n, ir.Contract | ir.Load) and axis in n.axes]
+    contractions = [c for c in wires if isinstance(c, ir.Contract)] or wires
+    if len(contractions) != 1 or not isinstance(contractions[0], ir.Contract):
+        raise NotStreamable(blame.span, detail=f"the normalised scores must come from one contraction that "
+                            f"carries '{axis}'; found {len(contractions)} wires over '{axis}'")
+    score = contractions[0]
+    pre = _map_of(program, node, score, axis, blame)
+    return score, pre
+
+
+def _map_of(program: ir.Program, node: ir.Node, score: ir.Node, axis: str, blame: ir.Node) -> sympy.Expr:
+    """`node` as sympy in X standing for `score`; scalar inputs (scale) stay symbols."""
+    node = _inline(program, node)
+    if node == score:
+        return X
+    if isinstance(node, ir.Load) and not node.axes:
+        return sympy.Symbol(node.tensor, positive=True)
+    if isinstance(node, ir.Const):
+        return to_sympy(node)
+    if isinstance(node, ir.Unary):
+        inner = _map_of(program, node.arg, score, axis, blame)
+        return -inner if node.fn == "neg" else to_sympy(ir.Unary(node.fn, ir.Var("_", node.span), (), node.span),
+                                                          variables={"_": inner})
+    if isinstance(node, ir.Binary) and not node.boolean:
+        lhs = _map_of(program, node.lhs, score, axis, blame)
+        rhs = _map_of(program, node.rhs, score, axis, blame)
+        return {"+": lhs + rhs, "-": lhs - rhs, "*": lhs * rhs, "/": lhs / rhs}[node.op]
+    if isinstance(node, ir.Pow):
+        return _map_of(program, node.base, score, axis, blame) ** node.exponent
+    raise NotStreamable(node.span, detail=f"{type(node).__name__.lower()} inside the normalised scores is not an "
+                        f"element-wise map of one score, so the fusion theorem does not apply")
+
+
+def _split_scale(pre: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
+    """(c, g): pre = g(c x) with c a positive factor kernels apply to the score (`scale`), g the rest."""
+    c = sympy.simplify(pre / X)
+    if X not in c.free_symbols and c.is_positive:
+        return c, X
+    return sympy.Integer(1), pre
+
+
+def _from_normalize(program: ir.Program, d: ir.Definition, norm: ir.Normalize) -> Certificate:
+    _, pre = _score(program, norm.arg, norm.over, norm)
+    scale, rest = _split_scale(pre)
+    a1 = lambda_to_sympy(norm.a1, X).subs(X, rest)
+    a2 = lambda_to_sympy(norm.a2, X).subs(X, rest)
+    b = lambda_to_sympy(norm.b, Z)
+    return _certificate(program, d, norm.over, a1, a2, b, scale, norm.span, norm)
+
+
+def _from_expression(program: ir.Program, d: ir.Definition, weights: ir.Node, axis: str,
+                     aggregates: list[ir.Reduce]) -> Certificate:
+    distinct = list(dict.fromkeys(aggregates))
+    if len(distinct) > 1:
+        raise NotStreamable(distinct[1].span, detail=f"the normaliser combines {len(distinct)} aggregates over "
+                            f"'{axis}'; Lemma 1 streams one sum per row",
+                            hint="normalise with a single sum(..., over AXIS)")
+    aggregate = distinct[0]
+    if aggregate.op != "sum":
+        raise NotStreamable(aggregate.span, detail=f"the normaliser is a {aggregate.op} over '{axis}', not a "
+                            "function of a sum, so Lemma 1 does not apply",
+                            hint="write the normaliser as b(sum(a2(S), over AXIS))")
+    score, pre = _score(program, aggregate.arg, axis, aggregate)
+    scale, _ = _split_scale(pre)
+    r = sympy.Symbol("r", positive=True)
+    a2 = _map_of(program, aggregate.arg, score, axis, aggregate).subs(X, X / scale)
+    f = _map_with_aggregate(program, weights, score, aggregate, r, axis).subs(X, X / scale)
+    parts = sympy.separatevars(sympy.factor(f), symbols=[X, r], dict=True, force=True)
+    if not parts or X not in parts and r not in parts:
+        raise NotStreamable(weights.span if hasattr(weights, "span") else d.span,
+                            detail=f"a1 depends on the aggregate: {sympy.sstr(f.subs(r, sympy.Symbol('sum')))} "
+                            "does not factor as a1(s) / b(sum), so each element needs the finished sum",
+                            hint="only a factor that depends on the sum alone may be applied after streaming")
+    a1 = parts.get("coeff", 1) * parts.get(X, 1)
+    b = sympy.simplify(1 / parts.get(r, 1)).subs(r, Z)
+    return _certificate(program, d, axis, sympy.simplify(a1), sympy.simplify(a2), b, scale, aggregate.span,
+                        weights)
+
+
+def _map_with_aggregate(program: ir.Program, node: ir.Node, score: ir.Node, aggregate: ir.Reduce,
+                        r: sympy.Symbol, axis: str) -> sympy.Expr:
+    if node == aggregate:
+        return r
+    node = _inline(program, node)
+    if node == aggregate:
+        return r
+    if isinstance(node, ir.Binary) and not node.boolean:
+        lhs = _map_with_aggregate(program, node.lhs, score, aggregate, r, axis)
+        rhs = _map_with_aggregate(program, node.rhs, score, aggregate, r, axis)
+        return {"+": lhs + rhs, "-": lhs - rhs, "*": lhs * rhs, "/": lhs / rhs}[node.op]
+    if isinstance(node, ir.Unary):
+        inner = _map_with_aggregate(program, node.arg, score, aggregate, r, axis)
+        return -inner if node.fn == "neg" else to_sympy(ir.Unary(node.fn, ir.Var("_", node.span), (), node.span),
+                                                          variables={"_": inner})
+    if isinstance(node, ir.Pow):
+        return _map_with_aggregate(program, node.base, score, aggregate, r, axis) ** node.exponent
+    return _map_of(program, node, score, axis, aggregate)
+
+
+def _certificate(program: ir.Program, d: ir.Definition, axis: str, a1: sympy.Expr, a2: sympy.Expr,
+                 b: sympy.Expr, scale: sympy.Expr, span: Span, blame: ir.Node) -> Certificate:
+    for name, f in (("a1", a1), ("a2", a2)):
+        if f.free_symbols - {X}:
+            raise NotStreamable(blame.span, detail=f"{name}(x) = {f} reads {sorted(map(str, f.free_symbols - {X}))}"
+                                " besides the score", hint="a scalar input may only scale the score")
+    rescale = derive_rescale(a1, a2, b)
+    if isinstance(rescale, str):
+        raise NotStreamable(blame.span, detail=f"'{d.tensor}' cannot stream over '{axis}': {rescale}")
+    return Certificate(d.tensor, axis, a1, a2, b, rescale, scale, span)

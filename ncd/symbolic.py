@@ -1,0 +1,128 @@
+"""IR scalar expressions <-> sympy, and sympy -> Triton source text.
+
+Gradients are derived here: sympy differentiates the spec's formulas, and `triton_expr` prints the result as
+Triton code. Only numbers and the function's own parameter reach the printed text."""
+
+from __future__ import annotations
+
+import sympy
+from sympy.printing.str import StrPrinter
+
+from . import ir
+
+
+def to_sympy(node: ir.Node, axes: dict[str, ir.Axis] | None = None,
+             variables: dict[str, sympy.Symbol] | None = None) -> sympy.Expr:
+    """A scalar IR expression as sympy (constants, sizes, variables and arithmetic)."""
+    variables = variables or {}
+    if isinstance(node, ir.Const):
+        value = node.value
+        return sympy.Integer(int(value)) if value == int(value) else sympy.Rational(str(value))
+    if isinstance(node, ir.SizeOf):
+        if axes is None:
+            raise TypeError("size() needs the program's axes")
+        return axes[node.axis].size
+    if isinstance(node, ir.Var):
+        return variables.get(node.name) or sympy.Symbol(node.name, integer=True)
+    if isinstance(node, ir.Unary):
+        arg = to_sympy(node.arg, axes, variables)
+        return -arg if node.fn == "neg" else SYMPY_FUNCTIONS[node.fn](arg)
+    if isinstance(node, ir.Binary) and not node.boolean:
+        lhs, rhs = to_sympy(node.lhs, axes, variables), to_sympy(node.rhs, axes, variables)
+        return {"+": lhs + rhs, "-": lhs - rhs, "*": lhs * rhs, "/": lhs / rhs,
+                "max": sympy.Max(lhs, rhs), "min": sympy.Min(lhs, rhs)}[node.op]
+    if isinstance(node, ir.Pow):
+        return to_sympy(node.base, axes, variables) ** node.exponent
+    raise TypeError(f"{type(node).__name__} is not a scalar expression")
+
+
+def lambda_to_sympy(fn: ir.Lambda, symbol: sympy.Symbol) -> sympy.Expr:
+    return to_sympy(fn.body, None, {fn.param: symbol})
+
+
+SYMPY_FUNCTIONS = {
+    "abs": sympy.Abs, "sign": sympy.sign, "exp": sympy.exp, "log": sympy.log, "sqrt": sympy.sqrt,
+    "tanh": sympy.tanh, "sigmoid": lambda x: 1 / (1 + sympy.exp(-x)), "sin": sympy.sin, "cos": sympy.cos,
+    "acos": sympy.acos,
+}
+
+
+class TritonPrinter(StrPrinter):
+    """Prints a sympy expression in fp32 Triton: integer powers unrolled, functions from `tl`."""
+
+    _FUNCS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt", "Abs": "tl.abs", "sin": "tl.sin",
+              "cos": "tl.cos"}
+
+    def _print_Float(self, expr: sympy.Float) -> str:
+        return repr(float(expr))
+
+    def _print_Integer(self, expr: sympy.Integer) -> str:
+        return f"{int(expr)}.0"
+
+    def _print_Rational(self, expr: sympy.Rational) -> str:
+        return repr(float(expr))
+
+    def _print_Half(self, expr: sympy.Expr) -> str:
+        return "0.5"
+
+    def _print_Exp1(self, expr: sympy.Expr) -> str:
+        return repr(float(sympy.E))
+
+    def _print_Pi(self, expr: sympy.Expr) -> str:
+        return repr(float(sympy.pi))
+
+    def _print_Symbol(self, expr: sympy.Symbol) -> str:
+        if not expr.name.isidentifier():
+            raise ValueError(f"symbol {expr.name!r} is not an identifier")
+        return expr.name
+
+    def _print_Function(self, expr: sympy.Function) -> str:
+        name = type(expr).__name__
+        args = ", ".join(self._print(a) for a in expr.args)
+        if name in self._FUNCS:
+            return f"{self._FUNCS[name]}({args})"
+        if name == "tanh":  # tl has no tanh on every backend: 2 sigmoid(2x) - 1
+            return f"(2.0 * tl.sigmoid(2.0 * ({args})) - 1.0)"
+        if name == "sign":
+            return f"tl.where(({args}) > 0, 1.0, tl.where(({args}) < 0, -1.0, 0.0))"
+        if name == "acos":
+            raise ValueError("acos has no Triton lowering here")
+        raise ValueError(f"no Triton lowering for {name}")
+
+    _print_exp = _print_log = _print_sin = _print_cos = _print_tanh = _print_sign = _print_Function
+
+    def _print_Abs(self, expr: sympy.Abs) -> str:
+        return f"tl.abs({self._print(expr.args[0])})"
+
+    def _print_Max(self, expr: sympy.Expr) -> str:
+        out = self._print(expr.args[0])
+        for a in expr.args[1:]:
+            out = f"tl.maximum({out}, {self._print(a)})"
+        return out
+
+    def _print_Min(self, expr: sympy.Expr) -> str:
+        out = self._print(expr.args[0])
+        for a in expr.args[1:]:
+            out = f"tl.minimum({out}, {self._print(a)})"
+        return out
+
+    def _print_Pow(self, expr: sympy.Pow, rational: bool = False) -> str:
+        base, exp = expr.args
+        b = self.parenthesize(base, 100)
+        if exp == sympy.Rational(1, 2):
+            return f"tl.sqrt({self._print(base)})"
+        if exp == -sympy.Rational(1, 2):
+            return f"(1.0 / tl.sqrt({self._print(base)}))"
+        if exp.is_Integer:
+            n = int(exp)
+            if n == 0:
+                return "1.0"
+            product = " * ".join([b] * abs(n))
+            return f"({product})" if n > 0 else f"(1.0 / ({product}))"
+        if exp.is_Rational:
+            return f"tl.exp({float(exp)!r} * tl.log({self._print(base)}))"
+        return f"tl.exp(({self._print(exp)}) * tl.log({self._print(base)}))"
+
+
+def triton_expr(expr: sympy.Expr) -> str:
+    return TritonPrinter().doprint(expr)

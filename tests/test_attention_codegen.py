@@ -1,0 +1,177 @@
+"""CPU tests of the generated attention kernels, run through the Triton interpreter."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import ast
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from codegen.attention import (  # noqa: E402
+    AttentionKernelSpec,
+    AttentionSpecError,
+    load_attention_module,
+    render_attention_module,
+    sigmoid_spec,
+    signed_l1_spec,
+    softmax_spec,
+    spherical_spec,
+)
+
+FAMILIES = {
+    "spherical": (spherical_spec, lambda s: s, lambda s: s * s, torch.sqrt),
+    "softmax": (softmax_spec, torch.exp, torch.exp, lambda z: z),
+    "sigmoid": (sigmoid_spec, torch.sigmoid, torch.sigmoid, lambda z: z),
+    "signed_l1": (signed_l1_spec, lambda s: s, torch.abs, lambda z: z),
+}
+
+
+def reference(family, q, k, v, w, scale, causal):
+    """float64 eager reference of o_i = sum_j w_j a1(s_ij) v_j / b(sum_j w_j a2(s_ij))."""
+    _, a1, a2, b = FAMILIES[family]
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = scale * q @ k.transpose(-1, -2)
+    weight = torch.ones(s.shape[-1], dtype=s.dtype) if w is None else w[:, None, None, :]
+    visible = torch.ones(s.shape[-2:], dtype=torch.bool)
+    if causal:
+        visible = torch.tril(visible)
+    # evaluate the maps on visible entries only (softmax of a masked score must not overflow)
+    s = torch.where(visible, s, torch.zeros_like(s))
+    p1 = torch.where(visible, a1(s), torch.zeros_like(s)) * weight
+    p2 = torch.where(visible, a2(s), torch.zeros_like(s)) * weight
+    return (p1 @ v) / b(p2.sum(-1, keepdim=True))
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _inputs(batch, hq, hkv, n_q, n_k, dim, dtype, weight, noncontiguous):
+    if noncontiguous:  # [B, N, H, D] storage viewed as [B, H, N, D]
+        q = torch.randn(batch, n_q, hq, dim).transpose(1, 2)
+        k = torch.randn(batch, n_k, hkv, dim).transpose(1, 2)
+        v = torch.randn(batch, n_k, hkv, dim).transpose(1, 2)
+    else:
+        q, k, v = (torch.randn(batch, h, n, dim) for h, n in ((hq, n_q), (hkv, n_k), (hkv, n_k)))
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    w = torch.rand(batch, n_k) * 2.0 + 0.1 if weight else None
+    return q, k, v, w
+
+
+CASES = [
+    # family, causal, weight, (B, Hq, Hkv, Nq, Nk, D), dtype, noncontiguous
+    *[(f, False, False, (2, 4, 2, 37, 29, 16), torch.float32, True) for f in FAMILIES],
+    *[(f, True, False, (2, 4, 2, 37, 29, 16), torch.float32, False) for f in FAMILIES],
+    *[(f, False, True, (2, 4, 2, 37, 29, 16), torch.float32, False) for f in FAMILIES],
+    ("softmax", True, True, (1, 2, 1, 20, 45, 32), torch.float32, False),
+    ("spherical", True, True, (1, 2, 2, 45, 20, 32), torch.float32, True),
+    ("spherical", False, False, (1, 4, 1, 33, 40, 32), torch.bfloat16, False),
+]
+
+
+def _case_id(case):
+    family, causal, weight, shape, dtype, noncontig = case
+    parts = [family, "causal" if causal else "full", "w" if weight else "now", "x".join(map(str, shape))]
+    parts.append(str(dtype).removeprefix("torch."))
+    if noncontig:
+        parts.append("strided")
+    return "-".join(parts)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_forward_and_gradients_match_float64_reference(case, tmp_path):
+    family, causal, weight, (batch, hq, hkv, n_q, n_k, dim), dtype, noncontig = case
+    module = load_attention_module(FAMILIES[family][0](causal=causal, has_weight=weight), cache_dir=tmp_path)
+    module.POISON_OUTPUTS = True
+    q, k, v, w = _inputs(batch, hq, hkv, n_q, n_k, dim, dtype, weight, noncontig)
+    scale = 1.0 / math.sqrt(dim) * (0.7 if family == "softmax" else 1.0)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+
+    o = module.attention(q, k, v, w, scale)
+    assert o.dtype == dtype and o.shape == (batch, hq, n_q, dim)
+    assert torch.isfinite(o).all(), "unwritten (NaN-poisoned) or non-finite output"
+    grad_o = torch.randn_like(o)
+    o.backward(grad_o)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(family, q64, k64, v64, None if w is None else w.double(), scale, causal)
+    ref.backward(grad_o.double())
+
+    assert rel_err(o.detach(), ref.detach()) < tol
+    for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
+        assert got.dtype == dtype and got.shape == want.shape
+        assert torch.isfinite(got).all(), f"{name}: unwritten (NaN-poisoned) or non-finite"
+        assert rel_err(got, want) < tol, f"{name}: rel err {rel_err(got, want):.2e}"
+
+
+def test_stats_and_default_scale(tmp_path):
+    module = load_attention_module(softmax_spec(), cache_dir=tmp_path)
+    q, k, v, _ = _inputs(1, 2, 2, 19, 23, 16, torch.float32, False, False)
+    o, (z, m) = module.forward(q.detach(), k.detach(), v.detach())
+    s = (q.detach().double() @ k.detach().double().transpose(-1, -2)) / 4.0
+    assert rel_err(m, s.amax(-1)) < 1e-6
+    assert rel_err(z, torch.exp(s - s.amax(-1, keepdim=True)).sum(-1)) < 1e-6
+    ref = reference("softmax", q.double(), k.double(), v.double(), None, 0.25, False)
+    assert rel_err(o, ref) < 1e-4
+    _, (z2, m2) = load_attention_module(spherical_spec(), cache_dir=tmp_path).forward(q, k, v)
+    assert m2 is None and z2.shape == (1, 2, 19)
+
+
+def test_rendered_module_is_valid_python_with_origins():
+    spec = AttentionKernelSpec(
+        name="attn", a1="x", a2="x * x", da1="1.0", da2="2.0 * x", b="tl.sqrt(z)", db_over_b="0.5 / z",
+        online_max=False, causal=True, has_weight=True,
+        origin=(("a2", "spec.ncd:7"), ("causal", "spec.ncd:9"), ("attention", "spec.ncd:3")),
+    )
+    text = render_attention_module(spec)
+    tree = ast.parse(text)
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    for fn in ("_attn_fwd_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
+               "forward", "backward", "Attention", "_attn_a1", "_attn_b"):
+        assert fn in names
+    imports = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+    assert imports <= {"math", "os", "torch", "triton", "triton.language"}
+    assert "return x * x  # spec.ncd:7" in text
+    assert "# spec.ncd:9" in text and "attention: spec.ncd:3" in text
+    assert "tl.full(x.shape, 1.0, tl.float32)" in text  # constant derivative broadcast to the tile
+    assert text == render_attention_module(spec)  # deterministic
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("a1", "y * 2"), ("b", "x + 1"), ("a2", "x *"), ("a1", "x\n+ 1"), ("name", "not an id"),
+     ("da1", "__import__('os')")],
+)
+def test_bad_specs_are_rejected(field, value):
+    kwargs = dict(
+        name="s", a1="x", a2="x * x", da1="1.0", da2="2.0 * x", b="tl.sqrt(z)", db_over_b="0.5 / z",
+        online_max=False, causal=False, has_weight=False,
+    )
+    kwargs[field] = value
+    with pytest.raises(AttentionSpecError):
+        AttentionKernelSpec(**kwargs)
+
+
+@pytest.mark.parametrize("family", ["softmax", "spherical"])
+def test_heads_fast_grid_order(family, tmp_path):
+    """The HEADS_FAST launch order (batch * heads on the x axis) computes the same thing."""
+    module = load_attention_module(FAMILIES[family][0](causal=True), cache_dir=tmp_path / "hf")
+    for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+        getattr(module, f"_{family}_{kernel}_kernel").configs[0].kwargs["HEADS_FAST"] = 1
+    module.POISON_OUTPUTS = True
+    q, k, v, _ = _inputs(1, 4, 2, 35, 35, 16, torch.float32, False, False)
+    o = module.attention(q, k, v, None, 0.25)
+    grad_o = torch.randn_like(o)
+    o.backward(grad_o)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(family, q64, k64, v64, None, 0.25, True)
+    ref.backward(grad_o.double())
+    for got, want in ((o.detach(), ref.detach()), (q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert rel_err(got, want) < 1e-4
