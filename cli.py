@@ -49,23 +49,53 @@ def _front_end(path: str) -> FrontEnd:
     return result
 
 
-def _stage_text(result: FrontEnd, stage: str) -> str:
-    return format_ast(result.module) if stage == "ast" else format_ir(result.program)
+def _bindings(pairs: Sequence[str]) -> dict[str, int]:
+    out = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if not name.isidentifier() or not value.isdigit() or int(value) < 1:
+            raise UsageError(f"--bind takes AXIS=SIZE with a positive integer size, got {pair!r}")
+        out[name] = int(value)
+    return out
+
+
+def _stage_text(result: FrontEnd, stage: str, bindings: dict[str, int]) -> str:
+    from ncd import backend  # the back end pulls in sympy-heavy passes only when asked for
+
+    if stage == "ast":
+        return format_ast(result.module)
+    if stage == "ir":
+        return format_ir(result.program)
+    attention_plan = backend.plan(result, bindings)
+    if stage == "plan":
+        return "\n".join(attention_plan.describe())
+    return backend.generate(result, attention_plan)
+
+
+_SUFFIX = {"ast": "ast.txt", "ir": "ir.txt", "plan": "plan.txt", "triton": "py"}
+
+
+def _default_stage(result: FrontEnd) -> str:
+    from ncd.streaming import certify
+
+    return "triton" if certify(result.program) else "ir"
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     result = _front_end(args.spec)
-    stages = args.emit or [STAGES[-1]]
+    bindings = _bindings(args.bind or [])
+    stages = args.emit or [_default_stage(result)]
+    texts = [(stage, _stage_text(result, stage, bindings)) for stage in stages]
     if args.output is None:
-        for stage in stages:
-            print(_stage_text(result, stage))
+        for _, text in texts:
+            print(text)
         return EXIT_OK
     out_dir = Path(args.output)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        for stage in stages:
-            target = out_dir / f"{result.program.name}.{stage}.txt"
-            target.write_text(_stage_text(result, stage) + "\n", encoding="utf-8")
+        for stage, text in texts:
+            target = out_dir / f"{result.program.name}.{_SUFFIX[stage]}"
+            target.write_text(text + "\n", encoding="utf-8")
             print(f"wrote {target}")
     except OSError as err:
         raise UsageError(f"cannot write to {out_dir}: {err.strerror or err}") from None
@@ -80,10 +110,28 @@ CHECKS = (
     ("structure", "definitions form an acyclic graph; normalize/scan/chebyshev_solve/basis are well formed"),
     ("ir", "the IR verifier's invariants hold"),
 )
-NOT_YET = "streamability, tiling, code generation and numerical validation are not implemented yet"
+BACK_END_CHECKS = (
+    ("stream", "the normalized contraction streams over its axis (certificate derived with sympy)"),
+    ("codegen", "the generated Triton module parses and imports"),
+)
+
+
+def _device() -> str:
+    """The GPU if there is one; otherwise Triton's CPU interpreter (set before Triton is imported)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+        os.environ["TRITON_INTERPRET"] = "1"
+    return "cpu"
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from ncd.streaming import certify
+
     result = _front_end(args.spec)
     p = result.program
     print(f"{result.source.filename}: spec {p.name}: "
@@ -91,8 +139,30 @@ def cmd_check(args: argparse.Namespace) -> int:
           f"{len(p.definitions)} definitions, {len(p.outputs)} outputs")
     for name, what in CHECKS:
         print(f"  ok   {name:<10} {what}")
-    print(f"  --   not checked: {NOT_YET}")
-    return EXIT_OK
+    if not certify(p):
+        print("  --   not checked: no kernel family matches this spec yet (attention specs only), so there is no "
+              "generated code to validate")
+        return EXIT_OK
+    device = _device()
+    import torch
+
+    import ncd
+    from ncd.validate import format_rows, validate
+
+    op = ncd.load(args.spec)
+    for name, what in BACK_END_CHECKS:
+        print(f"  ok   {name:<10} {what}")
+    where = "GPU" if device == "cuda" else "CPU, Triton interpreter"
+    dtypes = [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]
+    rows = []
+    op.module.POISON_OUTPUTS = True
+    for dtype in dtypes:
+        rows += validate(op, dtype, device)
+    failed = [r for r in rows if not r.ok]
+    print(f"  {'ok  ' if not failed else 'FAIL'} numerics   output and gradients against the float64 reference "
+          f"of the spec's IR ({where}; random inputs, odd sizes, NaN-poisoned outputs):")
+    print("\n".join("     " + line for line in format_rows(rows)))
+    return EXIT_OK if not failed else EXIT_SPEC
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,9 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("spec", help="path to a .ncd spec")
     comp.add_argument("-o", "--output", metavar="DIR", help="write stages to DIR instead of stdout")
     comp.add_argument("--emit", action="append", choices=STAGES,
-                      help=f"stage to emit (repeatable; default: {STAGES[-1]})")
+                      help="stage to emit (repeatable; default: triton where a kernel family matches, else ir)")
+    comp.add_argument("--bind", action="append", metavar="AXIS=SIZE",
+                      help="axis sizes the plan's cost estimate uses (repeatable)")
     comp.set_defaults(run=cmd_compile)
-    check = sub.add_parser("check", help="check a spec and say what was checked")
+    check = sub.add_parser("check", help="check a spec, validate its generated op, and say what was checked")
     check.add_argument("spec", help="path to a .ncd spec")
     check.set_defaults(run=cmd_check)
     return parser

@@ -155,7 +155,7 @@ def kernel_maps(cert: Certificate) -> KernelMaps:
         if expr.free_symbols - {var}:
             raise UnsupportedAttention(cert.span, detail=f"{name} uses {expr.free_symbols - {var}}")
     try:
-        return KernelMaps(*(triton_expr(sympy.simplify(e)) for e in
+        return KernelMaps(*(triton_expr(e) for e in
                             (cert.a1, cert.a2, d["da1"], d["da2"], cert.b, d["db_over_b"])))
     except ValueError as err:
         raise UnsupportedAttention(cert.span, detail=f"cannot lower to Triton: {err}") from None

@@ -3,6 +3,7 @@ what was expected there."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from functools import lru_cache
@@ -132,6 +133,7 @@ def parse(text: str, filename: str = "<string>") -> ast.Module:
     return ast.Module(tuple(statements), source)
 
 
+_MAX_DIGITS = 1000
 _FUNC_HEAD = re.compile(r"([A-Za-z_][A-Za-z_0-9]*)[ \t]*\([ \t]*([A-Za-z_][A-Za-z_0-9]*)")
 
 
@@ -150,6 +152,14 @@ class _ToAst(Transformer[Any, Any]):
     def _ident(self, tok: Token) -> ast.Ident:
         return ast.Ident(str(tok), self._tok(tok))
 
+    def _int(self, tok: Token) -> int:
+        # Python refuses to convert integers of more than a few thousand digits; no spec needs one.
+        digits = len(str(tok))
+        if digits > _MAX_DIGITS:
+            raise SpecSyntaxError(self._tok(tok), detail=f"an integer literal of {digits} digits is too long",
+                                  hint=f"integer literals have at most {_MAX_DIGITS} digits")
+        return int(tok)
+
     # statements
     def start(self, meta, items):
         return list(items)
@@ -164,7 +174,7 @@ class _ToAst(Transformer[Any, Any]):
         return ast.AxisDecl(self._ident(items[0]), "bound", None, (), self._span(meta))
 
     def axis_fixed(self, meta, items):
-        return ast.AxisDecl(self._ident(items[0]), "fixed", int(items[1]), (), self._span(meta))
+        return ast.AxisDecl(self._ident(items[0]), "fixed", self._int(items[1]), (), self._span(meta))
 
     def axis_product(self, meta, items):
         factors = tuple(self._ident(t) for t in items[1:])
@@ -238,7 +248,14 @@ class _ToAst(Transformer[Any, Any]):
 
     def number(self, meta, items):
         text = str(items[0])
-        value: int | float = int(text) if items[0].type == "INT" else float(text)
+        value: int | float = self._int(items[0]) if items[0].type == "INT" else float(text)
+        try:
+            finite = math.isfinite(float(value))
+        except OverflowError:  # an integer beyond the float range
+            finite = False
+        if not finite:
+            raise SpecSyntaxError(self._span(meta), detail=f"number {text} is too large for a float",
+                                  hint="numbers must be finite 64-bit floats (at most about 1.8e308)")
         return ast.Number(value, self._span(meta))
 
     def name(self, meta, items):
@@ -251,13 +268,13 @@ class _ToAst(Transformer[Any, Any]):
         return ast.IndexName(self._ident(items[0]))
 
     def index_int(self, meta, items):
-        return ast.IndexInt(int(items[0]), self._span(meta))
+        return ast.IndexInt(self._int(items[0]), self._span(meta))
 
     def index_plus(self, meta, items):
-        return ast.IndexOffset(self._ident(items[0]), int(items[1]), self._span(meta))
+        return ast.IndexOffset(self._ident(items[0]), self._int(items[1]), self._span(meta))
 
     def index_minus(self, meta, items):
-        return ast.IndexOffset(self._ident(items[0]), -int(items[1]), self._span(meta))
+        return ast.IndexOffset(self._ident(items[0]), -self._int(items[1]), self._span(meta))
 
     def indexed(self, meta, items):
         return ast.Indexed(self._ident(items[0]), items[1], self._span(meta))
@@ -295,10 +312,10 @@ class _ToAst(Transformer[Any, Any]):
         return ast.AxisRange(self._ident(items[0]), self._span(meta))
 
     def bound_int(self, meta, items):
-        return int(items[0])
+        return self._int(items[0])
 
     def bound_neg(self, meta, items):
-        return -int(items[0])
+        return -self._int(items[0])
 
     def bound_name(self, meta, items):
         return self._ident(items[0])

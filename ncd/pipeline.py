@@ -12,7 +12,7 @@ from .parser import parse
 from .settings import settings
 from .source import Source
 
-STAGES = ("ast", "ir")
+STAGES = ("ast", "ir", "plan", "triton")
 
 
 @dataclass(frozen=True)

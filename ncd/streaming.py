@@ -30,6 +30,10 @@ _T = sympy.Symbol("t", positive=True)
 _M = sympy.Symbol("m", real=True)
 
 
+_ARITH = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b,
+          "max": sympy.Max, "min": sympy.Min}
+
+
 @dataclass(frozen=True)
 class Rescale:
     """Online max: a1 and a2 are exponentials with rates c1, c2; b has degree c1 / c2."""
@@ -58,9 +62,9 @@ class Certificate:
     def derivatives(self) -> dict[str, sympy.Expr]:
         """The backward's symbolic pieces (shared anchors): a1', a2' and b'/b."""
         return {
-            "da1": sympy.simplify(sympy.diff(self.a1, X)),
-            "da2": sympy.simplify(sympy.diff(self.a2, X)),
-            "db_over_b": sympy.simplify(sympy.diff(self.b, Z) / self.b),
+            "da1": sympy.diff(self.a1, X),
+            "da2": sympy.diff(self.a2, X),
+            "db_over_b": sympy.cancel(sympy.diff(self.b, Z) / self.b),
         }
 
     def describe(self) -> list[str]:
@@ -81,6 +85,7 @@ class Certificate:
                       "  init: m = -inf, o = 0, z = 0",
                       "  update: m' = max(m, max_j x); o = o * a1(m - m') + a1(x - m') v; z = z * a2(m - m') + a2(x - m')",
                       "  finalize: O = o / b(z)  (the common factor cancels)"]
+        d = {k: sympy.simplify(v) for k, v in d.items()}
         lines += [f"  backward: a1'(x) = {d['da1']};  a2'(x) = {d['da2']};  b'(z)/b(z) = {d['db_over_b']}",
                   "  saved per row: " + ("m, z" if self.rescale else "z")]
         return lines
@@ -146,7 +151,7 @@ def _certify_definition(program: ir.Program, d: ir.Definition) -> Certificate | 
 def _score(program: ir.Program, node: ir.Node, axis: str, blame: ir.Node) -> tuple[ir.Contract, sympy.Expr]:
     """The contraction that produces the scores and the element-wise map applied to them."""
     wires = [n for n in _walk_inlined(program, node) if isinstance(n, ir.Contract | ir.Load) and axis in n.axes]
-    contractions = [c for c in wires if isinstance(c, ir.Contract)] or wires
+    contractions = list(dict.fromkeys(c for c in wires if isinstance(c, ir.Contract))) or wires
     if len(contractions) != 1 or not isinstance(contractions[0], ir.Contract):
         raise NotStreamable(blame.span, detail=f"the normalised scores must come from one contraction that "
                             f"carries '{axis}'; found {len(contractions)} wires over '{axis}'")
@@ -171,7 +176,7 @@ def _map_of(program: ir.Program, node: ir.Node, score: ir.Node, axis: str, blame
     if isinstance(node, ir.Binary) and not node.boolean:
         lhs = _map_of(program, node.lhs, score, axis, blame)
         rhs = _map_of(program, node.rhs, score, axis, blame)
-        return {"+": lhs + rhs, "-": lhs - rhs, "*": lhs * rhs, "/": lhs / rhs}[node.op]
+        return _ARITH[node.op](lhs, rhs)
     if isinstance(node, ir.Pow):
         return _map_of(program, node.base, score, axis, blame) ** node.exponent
     raise NotStreamable(node.span, detail=f"{type(node).__name__.lower()} inside the normalised scores is not an "
@@ -234,7 +239,7 @@ def _map_with_aggregate(program: ir.Program, node: ir.Node, score: ir.Node, aggr
     if isinstance(node, ir.Binary) and not node.boolean:
         lhs = _map_with_aggregate(program, node.lhs, score, aggregate, r, axis)
         rhs = _map_with_aggregate(program, node.rhs, score, aggregate, r, axis)
-        return {"+": lhs + rhs, "-": lhs - rhs, "*": lhs * rhs, "/": lhs / rhs}[node.op]
+        return _ARITH[node.op](lhs, rhs)
     if isinstance(node, ir.Unary):
         inner = _map_with_aggregate(program, node.arg, score, aggregate, r, axis)
         return -inner if node.fn == "neg" else to_sympy(ir.Unary(node.fn, ir.Var("_", node.span), (), node.span),

@@ -83,6 +83,10 @@ class TritonPrinter(StrPrinter):
             return f"{self._FUNCS[name]}({args})"
         if name == "tanh":  # tl has no tanh on every backend: 2 sigmoid(2x) - 1
             return f"(2.0 * tl.sigmoid(2.0 * ({args})) - 1.0)"
+        if name == "cosh":
+            return f"(0.5 * (tl.exp({args}) + tl.exp(-({args}))))"
+        if name == "sinh":
+            return f"(0.5 * (tl.exp({args}) - tl.exp(-({args}))))"
         if name == "sign":
             return f"tl.where(({args}) > 0, 1.0, tl.where(({args}) < 0, -1.0, 0.0))"
         if name == "acos":
@@ -90,9 +94,13 @@ class TritonPrinter(StrPrinter):
         raise ValueError(f"no Triton lowering for {name}")
 
     _print_exp = _print_log = _print_sin = _print_cos = _print_tanh = _print_sign = _print_Function
+    _print_cosh = _print_sinh = _print_Function
 
     def _print_Abs(self, expr: sympy.Abs) -> str:
         return f"tl.abs({self._print(expr.args[0])})"
+
+    def _print_Heaviside(self, expr: sympy.Expr) -> str:  # d/dx max(x, 0): the subgradient 0 at 0
+        return f"tl.where(({self._print(expr.args[0])}) > 0, 1.0, 0.0)"
 
     def _print_Max(self, expr: sympy.Expr) -> str:
         out = self._print(expr.args[0])

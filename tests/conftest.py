@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# No GPU on CI: generated kernels run in Triton's CPU interpreter, which must be chosen before import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
@@ -22,3 +26,8 @@ def run_cli(capsys):
         return code, out.out, out.err
 
     return run
+
+
+@pytest.fixture(scope="session")
+def op_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("ncd_cache")

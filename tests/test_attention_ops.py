@@ -1,0 +1,145 @@
+"""Every shipped attention spec compiled to Triton and run on the CPU interpreter: forward and all gradients
+against the float64 reference of the spec's own IR; the op's PyTorch integration and call-time checks."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ncd
+from ncd.errors import CallError
+from ncd.streaming import certify
+from ncd.validate import validate
+
+from .conftest import ROOT, SPECS
+
+ATTENTION_SPECS = [p for p in SPECS if certify(ncd.load_spec(p).program)]
+
+
+def _load(stem, cache):
+    return ncd.load(next(p for p in SPECS if p.stem == stem), cache_dir=cache)
+
+
+def test_at_least_five_attention_specs_ship():
+    stems = {p.stem for p in ATTENTION_SPECS}
+    assert {"spherical_attention", "softmax_attention"} <= stems and len(stems) >= 5
+
+
+@pytest.mark.parametrize("path", ATTENTION_SPECS, ids=lambda p: p.stem)
+def test_spec_forward_and_gradients_match_float64(path, op_cache):
+    op = ncd.load(path, cache_dir=op_cache)
+    op.module.POISON_OUTPUTS = True  # unwritten outputs would surface as NaN
+    rows = validate(op, torch.float32)
+    assert [r.quantity for r in rows][0] == op.front.program.outputs[0].name and len(rows) == 4
+    for row in rows:
+        assert row.ok, (path.stem, row)
+
+
+def test_bf16_spherical_within_bf16_tolerance(op_cache):
+    op = _load("causal_gqa_spherical", op_cache)
+    op.module.POISON_OUTPUTS = True
+    for row in validate(op, torch.bfloat16):
+        assert row.ok and row.error > 0, row
+
+
+def test_generated_code_is_readable_python_with_origins(op_cache):
+    op = _load("spherical_attention", op_cache)
+    text = op.path.read_text()
+    ast.parse(text)
+    assert "# spherical_attention.ncd:16" in text  # the normalize line
+    assert "tl.sqrt(z)" in text and "torch.library.custom_op" in text
+    assert list(inspect.signature(op.fn).parameters) == ["Q", "K", "V", "scale"]
+
+
+def test_cache_reuses_the_generated_module(op_cache):
+    first = _load("softmax_attention", op_cache)
+    mtime = first.path.stat().st_mtime_ns
+    second = _load("softmax_attention", op_cache)
+    assert second.path == first.path and second.module is first.module
+    assert first.path.stat().st_mtime_ns == mtime
+
+
+def test_two_processes_compile_the_same_spec_at_once(tmp_path):
+    spec = next(p for p in SPECS if p.stem == "sigmoid_attention")
+    code = f"import ncd; op = ncd.load({str(spec)!r}, cache_dir={str(tmp_path)!r}); print(op.path)"
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    paths = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert paths[0] == paths[1] and len(list(tmp_path.glob("*.py"))) == 1
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def _qkv(b=1, h=2, n=19, m=23, d=128, dtype=torch.float32, requires_grad=False):
+    return [torch.randn(b, h, s, d, dtype=dtype, requires_grad=requires_grad) for s in (n, m, m)]
+
+
+def test_torch_compile_fullgraph_forward_and_backward(op_cache):
+    op = _load("spherical_attention", op_cache)
+    q, k, v = _qkv(requires_grad=True)
+    eager = op(q, k, v)
+    grads = torch.autograd.grad(eager.sum(), (q, k, v))
+    compiled = torch.compile(op.fn, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v)
+    torch.testing.assert_close(out, eager)
+    for g, h in zip(torch.autograd.grad(out.sum(), (q, k, v)), grads, strict=True):
+        torch.testing.assert_close(g, h)
+
+
+def test_module_and_custom_op_registration(op_cache):
+    op = _load("softmax_attention", op_cache)
+    module = op.Module()
+    q, k, v = _qkv()
+    torch.testing.assert_close(module(q, k, v), op(q, k, v))
+    torch.testing.assert_close(op(q, k, v, 0.5), op(q, k, v, scale=0.5))
+    assert not torch.allclose(op(q, k, v, 0.5), op(q, k, v))
+    forward = getattr(op.module, f"{op.module.NAME}_forward")
+    torch.library.opcheck(forward, (q, k, v, None, 0.125), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda q, k, v: (q[..., :64], k, v), "Q: axis 'dim' has size 64, but the spec fixes it at 128"),
+        (lambda q, k, v: (q, k, v[:, :, :5]), "V: axis 'key' has size 5, but K has 23"),
+        (lambda q, k, v: (q, k[:1], v), "K: axis 'batch' has size 1, but Q has 2"),
+        (lambda q, k, v: (q[0], k, v), "Q must have 4 dims [batch head query dim]"),
+        (lambda q, k, v: (q, k.double(), v), "K has dtype torch.float64"),
+        (lambda q, k, v: (q.half(), k, v), "K has dtype torch.float32 but Q has torch.float16"),
+        (lambda q, k, v: (q, k.int(), v), "K has dtype torch.int32"),
+    ],
+    ids=["fixed-size", "key-length", "batch", "rank", "float64", "mixed", "int"],
+)
+def test_call_time_errors_name_tensor_and_axis(op_cache, mutate, message):
+    op = _load("spherical_attention", op_cache)
+    q, k, v = mutate(*_qkv(b=2))
+    with pytest.raises(CallError) as info:
+        op(q, k, v)
+    assert message in info.value.message
+
+
+def test_grouped_heads_must_divide(op_cache):
+    op = _load("causal_gqa_spherical", op_cache)
+    q = torch.randn(1, 3, 9, 128)
+    k = v = torch.randn(1, 2, 9, 128)
+    with pytest.raises(CallError, match="axis 'head' \\(3\\) is not a multiple of kvhead"):
+        op(q, k, v, torch.ones(1, 9))
+
+
+def test_cpu_tensors_need_the_interpreter(op_cache, monkeypatch):
+    op = _load("spherical_attention", op_cache)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(CallError, match="Q is on the CPU"):
+        op(*_qkv())
+
+
+def test_cli_check_validates_numerics(run_cli):
+    spec = next(p for p in SPECS if p.stem == "signed_l1_attention")
+    code, out, err = run_cli("check", str(spec))
+    assert code == 0, err
+    assert "ok   numerics" in out and "dQ" in out and "FAIL" not in out
