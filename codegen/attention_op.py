@@ -88,8 +88,8 @@ def render_attention_op(program: ir.Program, cert: Certificate, roles: Attention
         spec_name=program.name, origin_file=program.source.filename.rsplit("/", 1)[-1], op_id=op_id,
         params=params, signature=", ".join(params), axes_table=repr(axes_table), tensor_inputs=tensor_inputs,
         scalar_inputs=scalar_inputs, roles=roles, perms=perms, weight_expr=weight_expr, scale_expr=scale_expr,
-        output=roles.output, output_axes=o_axes, origins={"output": program.tensor(roles.output).span.origin,
-                                                           "weight": spec.origin and dict(spec.origin).get("weight", "")},
+        output=roles.output, output_axes=o_axes,
+        origins={"output": program.tensor(roles.output).span.origin, "weight": dict(spec.origin).get("weight", "")},
     )
     text = kernels + wrapper
     ast.parse(text)

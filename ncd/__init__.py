@@ -5,7 +5,7 @@ from .ir import Program
 from .pipeline import FrontEnd, front_end, load_spec
 
 
-def load(path, cache_dir=None):  # noqa: ANN001, ANN201 - imported lazily: torch is heavy
+def load(path, cache_dir=None):
     """Compile a spec (cached by content hash) and return its op; see `ncd.ops.load`."""
     from .ops import load as _load
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy
-
 from . import ir
 from .errors import NotStreamable
-from .streaming import X, Z, Certificate
+from .streaming import Certificate, X, Z
 from .symbolic import triton_expr
 
 
@@ -81,7 +79,7 @@ def roles(program: ir.Program, cert: Certificate) -> AttentionRoles:
     head = split[0] if split else shared[1]
     batch = next(x for x in shared if x != head)
     kv_head = head if head in k.axes else program.axis(head).factors[0]
-    if kv_head not in k.axes or program.axis(head).factors and program.axis(head).factors[0] != kv_head:
+    if kv_head not in k.axes or (program.axis(head).factors and program.axis(head).factors[0] != kv_head):
         raise UnsupportedAttention(k.span, detail=f"K must carry '{head}' or its outer factor (grouped heads)")
     k_axes = (batch, kv_head, axis, dim)
     v_dims = [x for x in v.axes if x not in (batch, kv_head, axis)]
@@ -103,11 +101,7 @@ def roles(program: ir.Program, cert: Certificate) -> AttentionRoles:
         if not causal:
             raise UnsupportedAttention(norm.mask.span, detail=f"the attention kernels support the causal mask "
                                        f"`{axis} <= {query}` only")
-    scale: str | float
-    if cert.scale.is_Symbol:
-        scale = str(cert.scale)
-    else:
-        scale = float(cert.scale)
+    scale: str | float = str(cert.scale) if cert.scale.is_Symbol else float(cert.scale)
     return AttentionRoles(q.tensor, k.tensor, v.tensor, weight, scale, cert.output,
                           (batch, head, query, dim), k_axes, v_axes, o_axes, weight_axes, causal)
 

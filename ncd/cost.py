@@ -113,6 +113,7 @@ def format_estimate(e: Estimate) -> list[str]:
              f"{e.flops / 1e9:.1f} GFLOP, roofline {e.seconds * 1e3:.3f} ms ({e.bound}-bound on H100)"]
     for level in e.levels:
         cap = "" if math.isinf(level.capacity) else f" of {level.capacity / 1024:.0f} KiB"
-        live = f"{level.live_bytes / 1e6:.1f} MB" if math.isinf(level.capacity) else f"{level.live_bytes / 1024:.1f} KiB"
+        unbounded = math.isinf(level.capacity)
+        live = f"{level.live_bytes / 1e6:.1f} MB" if unbounded else f"{level.live_bytes / 1024:.1f} KiB"
         lines.append(f"    {level.level:<9} in {level.bytes_in / 1e6:9.1f} MB   live {live}{cap}")
     return lines

@@ -14,6 +14,8 @@ from .errors import InvalidIdentifier
 _PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 # Module-level names of generated code: shadowing any of them would change what the code means.
 _GENERATED = {"torch", "triton", "tl", "math", "ncd", "self", "cls", "ctx", "grad", "prev"}
+# Keywords of the spec language itself, reserved everywhere so a name never reads as a statement.
+SPEC_KEYWORDS = {"spec", "axis", "const", "in", "param", "out", "basis", "over", "for"}
 
 
 def identifier_problem(name: str) -> str | None:
@@ -25,6 +27,8 @@ def identifier_problem(name: str) -> str | None:
         return "it is a Python keyword"
     if name in dir(builtins):
         return "it is a Python builtin"
+    if name in SPEC_KEYWORDS:
+        return "it is a keyword of the spec language"
     if name in _GENERATED:
         return "generated code uses this name"
     return None

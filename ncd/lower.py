@@ -41,6 +41,8 @@ from .symbolic import to_sympy
 STRUCTURAL = ("sum", "max", "min", "where", "size", "normalize", "scan", "chebyshev_solve")
 FUNCTIONS = (*ir.ELEMENTWISE, *STRUCTURAL)
 COMPARISONS = ("<", "<=", ">", ">=", "==", "!=")
+# x^n takes |n| <= _MAX_EXPONENT; a power of a number is computed exactly, so its size is bounded too
+_MAX_EXPONENT, _MAX_POWER_BITS = 1024, 1 << 16
 
 
 @dataclass
@@ -82,10 +84,10 @@ class _Lowering:
             self._axis(axis_name, ())
         for const_name in self._names("const"):
             self._const(const_name, ())
-        for stmt in self._stmts(ast.BasisDecl):
-            self.bases[stmt.name.name] = self._basis(stmt)
         for stmt in self._stmts(ast.TensorDecl):
             self._declare_tensor(stmt)
+        for stmt in self._stmts(ast.BasisDecl):
+            self.bases[stmt.name.name] = self._basis(stmt)
         for stmt in self._stmts(ast.Define):
             self.tensors[stmt.name.name] = ir.Tensor(
                 stmt.name.name, "let", self._axis_list(stmt.axes or ()), None, stmt.span
@@ -513,13 +515,25 @@ class _ExprLowering:
         return ir.Binary(e.op, lhs, rhs, self.o._merge(lhs.axes, rhs.axes), e.span)
 
     def _pow(self, base: ir.Node, exponent: ir.Node, e: ast.Binary) -> ir.Node:
+        # integer variables only: finite-sum indices and a basis recurrence's step variable
+        real_vars = [n for n in ir.walk(exponent) if isinstance(n, ir.Var)
+                     and self.scope.variables.get(n.name) is None and n.name != self.scope.step_var]
         try:
-            value = sympy.nsimplify(to_sympy(exponent, self.o.axes))
+            raw = to_sympy(exponent, self.o.axes)
+            value = None if raw.is_number and abs(raw) > _MAX_EXPONENT else sympy.nsimplify(raw)
         except TypeError:
             value = None
-        if value is None or exponent.axes or not value.is_integer:
+        if value is None or real_vars or exponent.axes or not value.is_integer:
             raise TypeMismatch(e.rhs.span, detail="a power's exponent must be an integer known at compile time",
-                               hint="use an integer, a constant or a sum index; exp(y * log(x)) for others")
+                               hint=f"use an integer of at most {_MAX_EXPONENT} in size, a constant or a sum "
+                                    "index; exp(y * log(x)) for others")
+        try:
+            number = to_sympy(base, self.o.axes)
+        except TypeError:
+            number = None
+        if isinstance(number, sympy.Rational) and value.is_Integer and number not in (0, 1, -1):
+            if abs(int(value)) * (number.p.bit_length() + number.q.bit_length()) > _MAX_POWER_BITS:
+                raise TypeMismatch(e.span, detail="this power of a number is too large to compute")
         return ir.Pow(base, value, base.axes, e.span)
 
     def _numeric(self, node: ir.Node) -> ir.Node:
@@ -603,7 +617,10 @@ class _ExprLowering:
         var = comp.var
         check_identifier(var)
         if var.name in self.o.decls or var.name in self.scope.variables:
-            raise DuplicateName(var.span, name=var.name, kind="a declared name", line=var.span.line,
+            kind, line = "an enclosing sum index", var.span.line
+            if var.name in self.o.decls:
+                kind, line = self.o.decls[var.name][0], self.o.decls[var.name][1].span.line
+            raise DuplicateName(var.span, name=var.name, kind=kind, line=line,
                                 hint="pick a sum index that is not already a name")
         if isinstance(comp.range, ast.AxisRange):
             ident = comp.range.axis
@@ -626,7 +643,8 @@ class _ExprLowering:
         if isinstance(bound, int):
             return bound
         if self.o.decls.get(bound.name, ("",))[0] == "const":
-            value = self.o.consts[bound.name]
+            # inside a constant's value another constant may not be evaluated yet, or be this very one
+            value = self.o._const(bound.name, self.const_path if self.const_path is not None else ())
             if value == int(value):
                 return int(value)
         raise TypeMismatch(bound.span, detail=f"range bound '{bound.name}' must be an integer constant")

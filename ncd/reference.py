@@ -8,7 +8,7 @@ their factors.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import sympy
@@ -67,12 +67,12 @@ def evaluate(program: ir.Program, tensors: Mapping[str, torch.Tensor | float],
     env: dict[str, Named] = {}
     given: dict[str, torch.Tensor] = {}
     for t in (*program.inputs, *program.params):
-        value = tensors.get(t.name)
-        if value is None:
+        supplied = tensors.get(t.name)
+        if supplied is None:
             if t.default is None:
                 raise ReferenceError(f"missing input {t.name}")
             continue
-        given[t.name] = torch.as_tensor(value).to(dtype)
+        given[t.name] = torch.as_tensor(supplied).to(dtype)
     sizes = bind_sizes(program, given)
     ev = _Evaluator(program, sizes, dtype, env)
     for t in (*program.inputs, *program.params):
@@ -80,10 +80,9 @@ def evaluate(program: ir.Program, tensors: Mapping[str, torch.Tensor | float],
             env[t.name] = Named(given[t.name], t.axes)
         else:
             assert t.default is not None
-            env[t.name] = ev.eval(t.default, {})
+            env[t.name] = ev.eval(t.default, {})  # a scalar input left at its default
     for d in program.definitions:
-        value = ev.eval(d.value, {})
-        env[d.tensor] = ev.to_axes(value, program.tensor(d.tensor).axes)
+        env[d.tensor] = ev.to_axes(ev.eval(d.value, {}), program.tensor(d.tensor).axes)
     return {t.name: env[t.name].data for t in program.outputs}
 
 
@@ -138,7 +137,7 @@ class _Evaluator:
     def merge(self, *values: Named, axes: tuple[str, ...]) -> list[torch.Tensor]:
         return [self.to_axes(v, axes).data for v in values]
 
-    def eval(self, node: ir.Node, scope: dict[str, object]) -> Named:  # noqa: C901
+    def eval(self, node: ir.Node, scope: dict[str, object]) -> Named:
         if isinstance(node, ir.Const):
             return self.const(node.value)
         if isinstance(node, ir.SizeOf):
@@ -159,9 +158,9 @@ class _Evaluator:
             base = self.eval(node.base, scope)
             return Named(base.data ** _int(node.exponent, scope), base.axes)
         if isinstance(node, ir.Where):
-            cond, a, b = self.merge(*(self.eval(n, scope) for n in (node.cond, node.then, node.otherwise)),
-                                    axes=node.axes)
-            return Named(torch.where(cond.bool(), a, b), node.axes)
+            cond, then, other = self.merge(*(self.eval(n, scope) for n in (node.cond, node.then, node.otherwise)),
+                                           axes=node.axes)
+            return Named(torch.where(cond.bool(), then, other), node.axes)
         if isinstance(node, ir.FiniteSum):
             total = torch.zeros((), dtype=self.dtype)
             for i in range(node.lo, node.hi + 1):
@@ -173,10 +172,9 @@ class _Evaluator:
             data = arg.data.sum(dims) if node.op == "sum" else arg.data.amax(dims)
             return Named(data, node.axes)
         if isinstance(node, ir.Contract):
-            lhs, rhs = self.eval(node.lhs, scope), self.eval(node.rhs, scope)
             full = tuple(dict.fromkeys((*node.axes, *node.over)))
-            a, b = self.merge(lhs, rhs, axes=full)
-            return Named((a * b).sum([full.index(o) for o in node.over]), node.axes)
+            left, right = self.merge(self.eval(node.lhs, scope), self.eval(node.rhs, scope), axes=full)
+            return Named((left * right).sum([full.index(o) for o in node.over]), node.axes)
         if isinstance(node, ir.Normalize):
             return self.normalize(node, scope)
         if isinstance(node, ir.BasisEval):
@@ -241,10 +239,7 @@ class _Evaluator:
     def basis(self, node: ir.BasisEval, scope: dict[str, object]) -> Named:
         basis = self.bases[node.basis]
         u = self.eval(node.arg, scope)
-        if isinstance(node.index, str):
-            count = self.sizes[node.index]
-        else:
-            count = _int(node.index, scope) + 1
+        count = self.sizes[node.index] if isinstance(node.index, str) else _int(node.index, scope) + 1
         terms = [self.scalar(t, {basis.param: u.data}).expand_as(u.data) for t in basis.initial]
         while len(terms) < count:
             local = {basis.param: u.data, basis.step_var: len(terms) - 1, "__terms__": terms}
@@ -303,12 +298,12 @@ def _int(expr: sympy.Expr, scope: Mapping[str, object]) -> int:
     return int(expr.subs({sympy.Symbol(k, integer=True): v for k, v in scope.items() if isinstance(v, int)}))
 
 
-_UNARY = {
+_UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "neg": torch.neg, "abs": torch.abs, "sign": torch.sign, "exp": torch.exp, "log": torch.log,
     "sqrt": torch.sqrt, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sin": torch.sin, "cos": torch.cos,
     "acos": torch.acos,
 }
-_BINARY = {
+_BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "+": torch.add, "-": torch.sub, "*": torch.mul, "/": torch.div, "max": torch.maximum, "min": torch.minimum,
     "<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge, "==": torch.eq, "!=": torch.ne,
 }

@@ -83,7 +83,8 @@ class Certificate:
                       f"{c1}, {c2}); b homogeneous of degree {sympy.simplify(c1 / c2)}",
                       "  state: m (running row max), o, z",
                       "  init: m = -inf, o = 0, z = 0",
-                      "  update: m' = max(m, max_j x); o = o * a1(m - m') + a1(x - m') v; z = z * a2(m - m') + a2(x - m')",
+                      "  update: m' = max(m, max_j x); o = o * a1(m - m') + a1(x - m') v;"
+                      " z = z * a2(m - m') + a2(x - m')",
                       "  finalize: O = o / b(z)  (the common factor cancels)"]
         d = {k: sympy.simplify(v) for k, v in d.items()}
         lines += [f"  backward: a1'(x) = {d['da1']};  a2'(x) = {d['da2']};  b'(z)/b(z) = {d['db_over_b']}",
@@ -91,7 +92,7 @@ class Certificate:
         return lines
 
 
-def derive_rescale(a1: sympy.Expr, a2: sympy.Expr, b: sympy.Expr) -> Rescale | None | str:
+def derive_rescale(a1: sympy.Expr, a2: sympy.Expr, b: sympy.Expr) -> Rescale | str | None:
     """Rescale if a1, a2 are exponentials and b is homogeneous of the matching degree; None if neither is
     exponential; otherwise the reason streaming would overflow."""
     rates = []
@@ -103,7 +104,8 @@ def derive_rescale(a1: sympy.Expr, a2: sympy.Expr, b: sympy.Expr) -> Rescale | N
     if None in rates:
         which = "a1" if rates[0] is not None else "a2"
         return f"{which} grows exponentially but the other does not, so no common rescale keeps it finite"
-    c1, c2 = rates
+    c1, c2 = rates[0], rates[1]
+    assert c1 is not None and c2 is not None
     degree = sympy.simplify(c1 / c2)
     if sympy.simplify(b.subs(Z, _T * Z) - _T**degree * b) != 0:
         return (f"a1, a2 are exponentials, so a running-max rescale is needed, but b(z) = {b} is not "
@@ -218,7 +220,7 @@ def _from_expression(program: ir.Program, d: ir.Definition, weights: ir.Node, ax
     a2 = _map_of(program, aggregate.arg, score, axis, aggregate).subs(X, X / scale)
     f = _map_with_aggregate(program, weights, score, aggregate, r, axis).subs(X, X / scale)
     parts = sympy.separatevars(sympy.factor(f), symbols=[X, r], dict=True, force=True)
-    if not parts or X not in parts and r not in parts:
+    if not parts or (X not in parts and r not in parts):
         raise NotStreamable(weights.span if hasattr(weights, "span") else d.span,
                             detail=f"a1 depends on the aggregate: {sympy.sstr(f.subs(r, sympy.Symbol('sum')))} "
                             "does not factor as a1(s) / b(sum), so each element needs the finished sum",

@@ -5,6 +5,8 @@ Triton code. Only numbers and the function's own parameter reach the printed tex
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import sympy
 from sympy.printing.str import StrPrinter
 
@@ -50,8 +52,9 @@ SYMPY_FUNCTIONS = {
 class TritonPrinter(StrPrinter):
     """Prints a sympy expression in fp32 Triton: integer powers unrolled, functions from `tl`."""
 
-    _FUNCS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt", "Abs": "tl.abs", "sin": "tl.sin",
-              "cos": "tl.cos"}
+    _FUNCS: ClassVar[dict[str, str]] = {
+        "exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt", "Abs": "tl.abs", "sin": "tl.sin", "cos": "tl.cos",
+    }
 
     def _print_Float(self, expr: sympy.Float) -> str:
         return repr(float(expr))

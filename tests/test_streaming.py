@@ -7,7 +7,7 @@ import sympy
 
 from ncd.errors import NotStreamable
 from ncd.pipeline import front_end, load_spec
-from ncd.streaming import X, Z, Rescale, certify, derive_rescale
+from ncd.streaming import Rescale, X, Z, certify, derive_rescale
 
 from .conftest import SPECS
 
