@@ -62,6 +62,11 @@ def _check_expression(field: str, text: str, var: str) -> None:
             raise AttentionSpecError(f"{field}: unsupported construct in {text!r}")
 
 
+def _same_expression(text: str, other: str) -> bool:
+    """Equal as Python expressions (spacing and redundant parentheses ignored)."""
+    return ast.dump(ast.parse(text.strip(), mode="eval")) == ast.dump(ast.parse(other, mode="eval"))
+
+
 def _uses_name(text: str, var: str) -> bool:
     return any(isinstance(n, ast.Name) and n.id == var for n in ast.walk(ast.parse(text, mode="eval")))
 
@@ -141,6 +146,9 @@ def render_attention_module(spec: AttentionKernelSpec) -> str:
 
     prefix = f"_{spec.name}"
     same_a = spec.a1.strip() == spec.a2.strip() and spec.da1.strip() == spec.da2.strip()
+    # a1 = a2 = a1' = a2' = exp with the running max: the kernels evaluate exp2 with log2(e) folded into the
+    # scale (one FFMA and one MUFU.EX2 per score) instead of the spliced tl.exp.
+    exp2 = spec.online_max and all(_same_expression(getattr(spec, f), "tl.exp(x)") for f in ("a1", "a2", "da1", "da2"))
     functions = [
         _device_function(f"{prefix}_a1", "x", spec.a1, "a1: numerator map"),
         _device_function(f"{prefix}_a2", "x", spec.a2, "a2: normaliser map"),
@@ -159,6 +167,7 @@ def render_attention_module(spec: AttentionKernelSpec) -> str:
         p=prefix,
         functions=functions,
         same_a=same_a,
+        exp2=exp2,
         origin_comment=origin_comment,
         all_origins=list(origin.items()),
         other_origins=other_origins,

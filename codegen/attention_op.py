@@ -42,7 +42,7 @@ def _default_code(program: ir.Program, tensor: ir.Tensor) -> str:
     names = {s: sympy.Symbol(f"sizes_{s.name}") for s in expr.free_symbols}
     code = sympy.pycode(expr.subs(names), fully_qualified_modules=True)
     for s in expr.free_symbols:
-        code = code.replace(f"sizes_{s.name}", f'sizes["{s.name}"]')
+        code = code.replace(f"sizes_{s.name}", f'_sizes["{s.name}"]')
     return f"float({code})"
 
 
@@ -79,7 +79,7 @@ def render_attention_op(program: ir.Program, cert: Certificate, roles: Attention
         batch, key = roles.weight_axes
         w_axes = spec_axes[roles.weight]
         if w_axes == (key,):
-            weight_expr = f'{roles.weight}.unsqueeze(0).expand(sizes["{batch}"], -1)'
+            weight_expr = f'{roles.weight}.unsqueeze(0).expand(_sizes["{batch}"], -1)'
         else:
             weight_expr = f"{roles.weight}.permute({tuple(w_axes.index(a) for a in (batch, key))})"
     axes_table = {a.name: (a.fixed, a.factors) for a in program.axes}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import sympy
+
 from . import ir
 from .errors import NotStreamable
 from .streaming import Certificate, X, Z
@@ -86,6 +88,10 @@ def roles(program: ir.Program, cert: Certificate) -> AttentionRoles:
     if set(k.axes) != set(k_axes) or len(v_dims) != 1 or len(v.axes) != 4:
         raise UnsupportedAttention(k.span, detail="K and V must be [batch head key dim] (any order)")
     v_axes = (batch, kv_head, axis, v_dims[0])
+    if sympy.simplify(program.axis(v_dims[0]).size - program.axis(dim).size) != 0:
+        raise UnsupportedAttention(v.span, detail=f"the attention kernels need V's width '{v_dims[0]}' "
+                                   f"({program.axis(v_dims[0]).size}) equal to the head dim '{dim}' "
+                                   f"({program.axis(dim).size})", hint=f"declare V over '{dim}'")
     o_tensor = program.tensor(cert.output)
     o_axes = (batch, head, query, v_dims[0])
     if set(o_tensor.axes) != set(o_axes):

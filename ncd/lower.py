@@ -23,6 +23,7 @@ from .errors import (
     CyclicDefinition,
     DuplicateName,
     IndexOutOfRange,
+    InvalidIdentifier,
     InvalidStatement,
     NcdError,
     RankMismatch,
@@ -34,7 +35,7 @@ from .errors import (
     UnknownName,
     UnusedInput,
 )
-from .identifiers import check_identifier
+from .identifiers import check_identifier, identifier_problem
 from .source import Span
 from .symbolic import to_sympy
 
@@ -130,8 +131,15 @@ class _Lowering:
                 prev_kind, prev = self.decls[ident.name]
                 raise DuplicateName(ident.span, name=ident.name, kind=prev_kind, line=prev.span.line)
             self.decls[ident.name] = (kind, stmt)
-        if not spec_names:
-            return self.module.source.filename.rsplit("/", 1)[-1].removesuffix(".ncd").replace("-", "_")
+        if not spec_names:  # named after its file: that name reaches generated code too, so check it
+            name = self.module.source.filename.rsplit("/", 1)[-1].removesuffix(".ncd").replace("-", "_")
+            reason = identifier_problem(name)
+            if reason is not None:
+                top = Span(self.module.source.filename, 1, 1, 1, 2)
+                raise InvalidIdentifier(top, name=name, reason=reason,
+                                        hint="a spec without a `spec NAME` line is named after its file; "
+                                             "add that line, or rename the file")
+            return name
         return spec_names[0].name.name
 
     # --- axes -----------------------------------------------------------------------------------
@@ -310,7 +318,8 @@ class _Lowering:
         for axis in inferred:
             if axis not in declared and self._owner(axis, declared) is None:
                 raise AxisMismatch(
-                    span, detail=f"the expression for '{name}' carries axis '{axis}', which [{' '.join(declared)}] lacks",
+                    span,
+                    detail=f"the expression for '{name}' carries axis '{axis}', which [{' '.join(declared)}] lacks",
                     hint=f"reduce it (sum(..., over {axis}), or contract over it), or add it to the axis list",
                 )
         for axis in declared:
@@ -324,7 +333,9 @@ class _Lowering:
     def _check_outputs_and_usage(self) -> None:
         outputs = [t for t in self.tensors.values() if t.role == "out"]
         if not outputs:
-            raise InvalidStatement(None, detail="the spec declares no output",
+            spec = self._stmts(ast.SpecName)  # point at the spec's name, else at the top of the file
+            span = spec[0].span if spec else Span(self.module.source.filename, 1, 1, 1, 2)
+            raise InvalidStatement(span, detail="the spec declares no output",
                                    hint="add a line `out NAME[AXES] = EXPRESSION`")
         for t in self.tensors.values():
             if t.role in ("in", "param") and t.name not in self.used:
@@ -352,7 +363,8 @@ class _Lowering:
                     raise InvalidStatement(rule.span, detail="a basis has one recurrence rule")
                 ident = rule.index.ident
                 if not isinstance(rule.index, ast.IndexOffset) or rule.index.offset != 1:
-                    raise InvalidStatement(rule.index.span, detail=f"the recurrence defines {stmt.name.name}[{ident.name}+1]")
+                    raise InvalidStatement(rule.index.span,
+                                           detail=f"the recurrence defines {stmt.name.name}[{ident.name}+1]")
                 check_identifier(ident)
                 step_var = ident.name
                 scope = scope.child(basis=stmt.name.name, step_var=step_var)
@@ -427,7 +439,7 @@ class _ExprLowering:
             raise RankMismatch(span, name=name, expected=len(tensor.axes), axes=" ".join(tensor.axes),
                                got=len(indices))
         out: list[ir.LoadIndex] = []
-        for index, axis_name in zip(indices, tensor.axes):
+        for index, axis_name in zip(indices, tensor.axes, strict=True):
             axis = self.o.axes[axis_name]
             if isinstance(index, ast.IndexName) and index.ident.name not in self.scope.variables:
                 target = index.ident.name
@@ -531,9 +543,9 @@ class _ExprLowering:
             number = to_sympy(base, self.o.axes)
         except TypeError:
             number = None
-        if isinstance(number, sympy.Rational) and value.is_Integer and number not in (0, 1, -1):
-            if abs(int(value)) * (number.p.bit_length() + number.q.bit_length()) > _MAX_POWER_BITS:
-                raise TypeMismatch(e.span, detail="this power of a number is too large to compute")
+        if (isinstance(number, sympy.Rational) and value.is_Integer and number not in (0, 1, -1)
+                and abs(int(value)) * (number.p.bit_length() + number.q.bit_length()) > _MAX_POWER_BITS):
+            raise TypeMismatch(e.span, detail="this power of a number is too large to compute")
         return ir.Pow(base, value, base.axes, e.span)
 
     def _numeric(self, node: ir.Node) -> ir.Node:
@@ -545,7 +557,7 @@ class _ExprLowering:
     def _Contract(self, e: ast.Contract) -> ir.Node:
         lhs, rhs = self._numeric(self.sub(e.lhs)), self._numeric(self.sub(e.rhs))
         over = self.o._axis_list(e.over)
-        for axis, ident in zip(over, e.over):
+        for axis, ident in zip(over, e.over, strict=True):
             for side, operand in (("left", lhs), ("right", rhs)):
                 if axis not in operand.axes:
                     raise ContractionAxisMissing(ident.span, axis=axis, side=side, axes=" ".join(operand.axes))
@@ -598,7 +610,7 @@ class _ExprLowering:
             raise BadArgument(e.span, name=op, detail="reductions are sum and max; write -max(-x, over ...)")
         arg = self._numeric(self.sub(args.positional[0]))
         over = self.o._axis_list(args.over.axes)
-        for axis, ident in zip(over, args.over.axes):
+        for axis, ident in zip(over, args.over.axes, strict=True):
             if axis not in arg.axes:
                 raise AxisMismatch(ident.span, detail=f"cannot reduce over '{axis}': the argument has axes "
                                    f"[{' '.join(arg.axes)}]")
@@ -714,7 +726,8 @@ class _ExprLowering:
             raise AxisMismatch(args.over.axes[0].span, detail=f"the matrix must carry '{over}' and the "
                                "right-hand side must not")
         size = self.o.axes[over].size
-        rows = [a for a in matrix.axes if a != over and a in rhs.axes and sympy.simplify(self.o.axes[a].size - size) == 0]
+        rows = [a for a in matrix.axes
+                if a != over and a in rhs.axes and sympy.simplify(self.o.axes[a].size - size) == 0]
         if len(rows) != 1:
             raise AxisMismatch(e.span, detail=f"cannot tell the matrix's row axis (candidates: {rows or 'none'})",
                                hint=f"the right-hand side must carry exactly one axis of '{over}''s size")

@@ -39,8 +39,9 @@ class _Newlines:
                 depth = max(0, depth - 1)
             last = tok
             yield tok
-        if last is not None and last.type != "_NL":
-            yield Token.new_borrow_pos("_NL", "\n", last)
+        if last is not None and last.type != "_NL":  # placed just after the last token: the end of the text
+            yield Token("_NL", "\n", last.end_pos, last.end_line, last.end_column, last.end_line,
+                        last.end_column, last.end_pos)
 
 
 @lru_cache(maxsize=1)
@@ -80,8 +81,8 @@ def _describe_expected(expected: set[str]) -> str:
     return ", ".join(ordered)
 
 
-def _token_text(tok: Token) -> str:
-    if tok.type == "$END":
+def _token_text(tok: Token, source: Source) -> str:
+    if tok.type == "$END" or (tok.type == "_NL" and (tok.start_pos or 0) >= len(source.text.rstrip())):
         return "end of file"
     if tok.type == "_NL":
         return "end of line"
@@ -99,7 +100,7 @@ def _syntax_error(err: UnexpectedInput, source: Source) -> SpecSyntaxError:
         else:
             line, col = tok.line, tok.column
         width = max(1, len(str(tok.value))) if tok.type not in ("_NL", "$END") else 1
-        detail = f"unexpected {_token_text(tok)}; expected {_describe_expected(set(err.expected))}"
+        detail = f"unexpected {_token_text(tok, source)}; expected {_describe_expected(set(err.expected))}"
     elif isinstance(err, UnexpectedCharacters):
         pos = err.pos_in_stream or 0
         char = source.text[pos] if pos < len(source.text) else "?"

@@ -146,3 +146,36 @@ def test_cli_check_validates_numerics(run_cli):
     code, out, err = run_cli("check", str(spec))
     assert code == 0, err
     assert "ok   numerics" in out and "dQ" in out and "FAIL" not in out
+
+
+def test_input_names_never_collide_with_wrapper_locals(tmp_path, op_cache):
+    spec = tmp_path / "swapped.ncd"
+    spec.write_text("""spec swapped
+axis batch, head, query, key
+axis dim = 16
+in  k[batch head query dim] : f32
+in  q[batch head key dim]   : f32
+in  V[batch head key dim]   : f32
+S[batch head query key] = k . q over dim
+A[batch head query key] = normalize(S, over key, a1(x) = exp(x), a2(x) = exp(x), b(z) = z)
+out O[batch head query dim] = A . V over key
+""")
+    op = ncd.load(spec, cache_dir=op_cache)
+    assert all(r.ok for r in validate(op, torch.float32))
+
+
+def test_value_width_other_than_head_dim_is_rejected_at_compile_time(run_cli, tmp_path):
+    spec = tmp_path / "vd.ncd"
+    spec.write_text("""spec vd
+axis batch, head, query, key
+axis dim = 16
+axis vd = 32
+in  Q[batch head query dim] : f32
+in  K[batch head key dim]   : f32
+in  V[batch head key vd]    : f32
+S[batch head query key] = Q . K over dim
+A[batch head query key] = normalize(S, over key, a1(x) = exp(x), a2(x) = exp(x), b(z) = z)
+out O[batch head query vd] = A . V over key
+""")
+    code, _, err = run_cli("check", str(spec))
+    assert code == 1 and "vd.ncd:10:34:" in err and "equal to the head dim" in err

@@ -1,0 +1,306 @@
+"""GPU check and benchmark of the attention ops compiled from the shipped specs (issue 3).
+
+Run on a CUDA machine, with ncd importable (installed, or the repository root on sys.path):
+
+    PYTHONUNBUFFERED=1 python3 bench/attention.py [--quick] [--ns 1024,4096] [--budget-s 480]
+
+1. Correctness first: spherical, causal spherical, softmax and causal softmax (``ncd.load`` of the
+   specs), bf16, B=2, H=4, N=1000 (not a multiple of any block), D=128. The output and dQ/dK/dV are
+   compared with an fp32 PyTorch reference by ||out - ref|| / ||ref|| (< 1e-2 required), for every
+   backward variant the generated module offers. Exits non-zero on failure (after the timings).
+2. Timings (``triton.testing.do_bench``, median): bf16, D=128, H=16, B*N=32768 tokens, causal and
+   non-causal, N in {1024, 4096, 8192, 16384} (``--quick``: 4096 only). Spherical from the spec (fwd,
+   fwd+bwd), eager PyTorch spherical, ``torch.compile`` of it, SDPA, softmax from the spec.
+   FLOPs: forward 4 B H N^2 D (half when causal), backward 2.5x forward.
+
+The table is printed last. With $OUT set, the rows go to $OUT/attention_bench.json and the log to
+$OUT/attention_bench.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+try:
+    import ncd
+except ImportError:  # not installed: use the checkout this script lives in
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import ncd
+
+SPEC_DIR = Path(__file__).resolve().parent.parent / "specs"
+HEADS, DIM, TOKENS = 16, 128, 32768
+DTYPE = torch.bfloat16
+TOL = 1e-2
+SPECS = {
+    # (family, causal) -> spec file
+    ("spherical", False): "spherical_attention.ncd",
+    ("spherical", True): "causal_spherical_attention.ncd",
+    ("softmax", False): "softmax_attention.ncd",
+    ("softmax", True): "causal_softmax_attention.ncd",
+}
+# Backward variants of the generated module (module flag DETERMINISTIC_BWD): False = one fused kernel
+# with fp32 atomic dQ, True = dK/dV and dQ kernels (deterministic).
+BWD_VARIANTS = {"atomic": False, "twokernel": True}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().float(), ref.detach().float()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _mask(n_q: int, n_k: int, device) -> torch.Tensor:
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+
+
+def reference(family: str, q, k, v, scale: float, causal: bool):
+    """Plain PyTorch (fp32 when given fp32 inputs)."""
+    s = scale * (q @ k.transpose(-1, -2))
+    if family == "softmax":
+        if causal:
+            s = s.masked_fill(~_mask(*s.shape[-2:], s.device), float("-inf"))
+        return torch.softmax(s, -1) @ v
+    if causal:
+        s = s.masked_fill(~_mask(*s.shape[-2:], s.device), 0.0)
+    return (s @ v) / (s * s).sum(-1, keepdim=True).sqrt()
+
+
+def eager_spherical(q, k, v, causal: bool):
+    """Eager spherical attention as one would write it: S = QK^T; O = S V / sqrt(rowsum S^2)."""
+    s = q @ k.transpose(-1, -2)
+    if causal:
+        s = s.masked_fill(~_mask(*s.shape[-2:], s.device), 0.0)
+    norm = torch.linalg.vector_norm(s, ord=2, dim=-1, keepdim=True, dtype=torch.float32)
+    return ((s @ v).float() / norm).to(q.dtype)
+
+
+def spec_scale(family: str) -> float:
+    # the specs' defaults: spherical scale = 1 (cancels), softmax 1/sqrt(dim)
+    return 1.0 if family == "spherical" else DIM**-0.5
+
+
+def check(ops, log, n: int = 1000) -> bool:
+    ok = True
+    batch, heads = 2, 4
+    for (family, causal), op in ops.items():
+        variants = BWD_VARIANTS if hasattr(op.module, "DETERMINISTIC_BWD") else {"default": None}
+        for vname, flag in variants.items():
+            if flag is not None:
+                op.module.DETERMINISTIC_BWD = flag
+            op.module.POISON_OUTPUTS = True
+            gen = torch.Generator(device="cuda").manual_seed(hash((family, causal, vname)) % 2**31)
+            q, k, v = (torch.randn(batch, heads, n, DIM, device="cuda", dtype=DTYPE, generator=gen)
+                       for _ in range(3))
+            grad = torch.randn(batch, heads, n, DIM, device="cuda", dtype=DTYPE, generator=gen)
+            scale = spec_scale(family)
+            q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
+            ref = reference(family, q32, k32, v32, scale, causal)
+            ref.backward(grad.float())
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            o = op(q, k, v)
+            o.backward(grad)
+            torch.cuda.synchronize()
+            errs = {"o": rel_err(o, ref), "dq": rel_err(q.grad, q32.grad), "dk": rel_err(k.grad, k32.grad),
+                    "dv": rel_err(v.grad, v32.grad)}
+            finite = all(bool(torch.isfinite(t).all()) for t in (o, q.grad, k.grad, v.grad))
+            good = finite and all(e < TOL for e in errs.values())
+            ok &= good
+            log(f"check {family:9s} causal={causal!s:5s} bwd={vname:9s} finite={finite} "
+                + " ".join(f"{key}={val:.2e}" for key, val in errs.items()) + ("  OK" if good else "  FAIL"))
+            op.module.POISON_OUTPUTS = False
+        if flag is not None:
+            op.module.DETERMINISTIC_BWD = False
+    return ok
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool):
+    batch = TOKENS // n
+    gen = torch.Generator(device="cuda").manual_seed(n + causal)
+    q, k, v = (torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE, generator=gen).requires_grad_()
+               for _ in range(3))
+    grad = torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE, generator=gen)
+    sph, smx = ops[("spherical", causal)], ops[("softmax", causal)]
+    flops = 4.0 * batch * HEADS * n * n * DIM * (0.5 if causal else 1.0)
+
+    def fwd(fn):
+        def run():
+            with torch.no_grad():
+                fn(q, k, v)
+        return run
+
+    def fwdbwd(fn):
+        def run():
+            fn(q, k, v).backward(grad)
+        return run
+
+    def with_flag(module, flag, run):
+        def wrapped():
+            old = module.DETERMINISTIC_BWD
+            module.DETERMINISTIC_BWD = flag
+            try:
+                run()
+            finally:
+                module.DETERMINISTIC_BWD = old
+        return wrapped
+
+    def sdpa(q_, k_, v_):
+        return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal)
+
+    def eager(q_, k_, v_):
+        return eager_spherical(q_, k_, v_, causal)
+
+    def comp(q_, k_, v_):
+        return compiled(q_, k_, v_, causal)
+
+    cases = [
+        ("sdpa", "fwd", fwd(sdpa)), ("sdpa", "fwdbwd", fwdbwd(sdpa)),
+        ("spherical", "fwd", fwd(sph)), ("spherical", "fwdbwd", fwdbwd(sph)),
+        ("softmax", "fwd", fwd(smx)), ("softmax", "fwdbwd", fwdbwd(smx)),
+        ("eager_spherical", "fwd", fwd(eager)), ("eager_spherical", "fwdbwd", fwdbwd(eager)),
+        ("compiled_spherical", "fwd", fwd(comp)), ("compiled_spherical", "fwdbwd", fwdbwd(comp)),
+    ]
+    if variants:
+        for name, op in (("spherical", sph), ("softmax", smx)):
+            if hasattr(op.module, "DETERMINISTIC_BWD"):
+                for vname, flag in BWD_VARIANTS.items():
+                    cases.append((f"{name}[{vname}]", "fwdbwd", with_flag(op.module, flag, fwdbwd(op))))
+    rows = []
+    for name, mode, run in cases:
+        row = {"n": n, "batch": batch, "causal": causal, "impl": name, "mode": mode}
+        try:
+            t0 = time.time()
+            run()  # compile and autotune outside the timing
+            torch.cuda.synchronize()
+            row["first_call_s"] = round(time.time() - t0, 2)
+            ms = do_bench(run, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="median")
+            row.update(ms=ms, tflops=flops * (3.5 if mode == "fwdbwd" else 1.0) / ms * 1e-9)
+        except Exception as exc:  # OOM for the eager versions at large N
+            if not _is_oom(exc):
+                raise
+            row.update(ms=None, tflops=None, note="OOM")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        q.grad = k.grad = v.grad = None
+        rows.append(row)
+        log(json.dumps(row))
+    return rows
+
+
+def autotune_choices(ops, log):
+    for (family, causal), op in ops.items():
+        for attr in sorted(dir(op.module)):
+            cache = getattr(getattr(op.module, attr), "cache", None)
+            if attr.endswith("_kernel") and isinstance(cache, dict):
+                for key, cfg in cache.items():
+                    log(f"tuned {family} causal={causal} {attr} key={key} -> {cfg}")
+
+
+def _fmt(row) -> str:
+    if row is None:
+        return "-"
+    if row.get("ms") is None:
+        return row.get("note", "-")
+    return f"{row['ms']:.3f} ({row['tflops']:.0f})"
+
+
+def _ratio(base, row) -> str:
+    if not base or not row or base.get("ms") is None or row.get("ms") is None:
+        return "-"
+    return f"{base['ms'] / row['ms']:.2f}x"
+
+
+def table(rows, log):
+    by = {(r["n"], r["causal"], r["impl"], r["mode"]): r for r in rows}
+    shapes = sorted({(r["n"], r["batch"], r["causal"]) for r in rows})
+    log("")
+    log("ms (TFLOP/s); ratio = other's ms / ours (> 1: the compiled spec is faster)")
+    head = ("| N | B | causal | sph fwd | SDPA fwd | sph/SDPA fwd | sph fwd+bwd | SDPA fwd+bwd | sph/SDPA f+b "
+            "| compile sph fwd | sph/compile fwd | compile sph f+b | sph/compile f+b | eager sph fwd | eager sph f+b "
+            "| softmax fwd | softmax/SDPA fwd | softmax f+b | softmax/SDPA f+b |")
+    log(head)
+    log("|" + "---|" * head.count(" | ") + "---|")
+    for n, batch, causal in shapes:
+        def get(impl, mode, n=n, causal=causal):
+            return by.get((n, causal, impl, mode))
+        sf, sb = get("spherical", "fwd"), get("spherical", "fwdbwd")
+        df, db = get("sdpa", "fwd"), get("sdpa", "fwdbwd")
+        cf, cb = get("compiled_spherical", "fwd"), get("compiled_spherical", "fwdbwd")
+        ef, eb = get("eager_spherical", "fwd"), get("eager_spherical", "fwdbwd")
+        xf, xb = get("softmax", "fwd"), get("softmax", "fwdbwd")
+        cells = [str(n), str(batch), "yes" if causal else "no", _fmt(sf), _fmt(df), _ratio(df, sf), _fmt(sb),
+                 _fmt(db), _ratio(db, sb), _fmt(cf), _ratio(cf, sf), _fmt(cb), _ratio(cb, sb), _fmt(ef), _fmt(eb),
+                 _fmt(xf), _ratio(df, xf), _fmt(xb), _ratio(db, xb)]
+        log("| " + " | ".join(cells) + " |")
+    variant_rows = [r for r in rows if "[" in r["impl"]]
+    if variant_rows:
+        log("")
+        log("backward variants (fwd+bwd ms (TFLOP/s)):")
+        for r in variant_rows:
+            log(f"  N={r['n']:>5} causal={r['causal']!s:5s} {r['impl']:22s} {_fmt(r)}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="N=4096 only")
+    parser.add_argument("--ns", default="1024,4096,8192,16384")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="start no new shape after this")
+    parser.add_argument("--no-variants", action="store_true", help="skip timing both backward variants")
+    args = parser.parse_args()
+    t_start = time.time()
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    log_file = (out_dir / "attention_bench.log").open("w") if out_dir else None
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        if log_file:
+            log_file.write(line + "\n")
+            log_file.flush()
+
+    log(f"device={torch.cuda.get_device_name()} torch={torch.__version__} triton={triton.__version__} "
+        f"ncd={Path(ncd.__file__).parent} date={time.strftime('%Y-%m-%d %H:%M')} "
+        f"sdpa flash={torch.backends.cuda.flash_sdp_enabled()} cudnn={torch.backends.cuda.cudnn_sdp_enabled()}")
+    ops = {key: ncd.load(SPEC_DIR / name) for key, name in SPECS.items()}
+    t0 = time.time()
+    ok = check(ops, log)
+    log(f"correctness {'OK' if ok else 'FAILED'} ({time.time() - t0:.0f} s incl. compile and autotune)")
+
+    for attr in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, attr):
+            setattr(torch._dynamo.config, attr, 64)
+    compiled = torch.compile(eager_spherical, dynamic=True)
+
+    ns = [4096] if args.quick else [int(x) for x in args.ns.split(",")]
+    rows = []
+    for n in ns:
+        for causal in (False, True):
+            if time.time() - t_start > args.budget_s:
+                log(f"skip N={n} causal={causal}: over the time budget")
+                continue
+            rows += bench_shape(n, causal, ops, compiled, log, variants=not args.no_variants)
+    autotune_choices(ops, log)
+    if out_dir:
+        (out_dir / "attention_bench.json").write_text(json.dumps(
+            {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+             "correct": ok, "rows": rows}, indent=1))
+    log(f"total {time.time() - t_start:.0f} s; correctness {'OK' if ok else 'FAILED'}")
+    table(rows, log)
+    finite = all(r["ms"] is None or math.isfinite(r["ms"]) for r in rows)
+    return 0 if ok and finite else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
