@@ -8,8 +8,10 @@ from dataclasses import dataclass
 import sympy
 
 from . import ir
+from .cost import AttentionShape, Estimate, format_estimate, rank_configs
 from .errors import NotStreamable
-from .streaming import Certificate, X, Z
+from .pipeline import FrontEnd
+from .streaming import Certificate, X, Z, certify
 from .symbolic import triton_expr
 
 
@@ -159,3 +161,98 @@ def kernel_maps(cert: Certificate) -> KernelMaps:
                             (cert.a1, cert.a2, d["da1"], d["da2"], cert.b, d["db_over_b"])))
     except ValueError as err:
         raise UnsupportedAttention(cert.span, detail=f"cannot lower to Triton: {err}") from None
+
+
+# Axis sizes the plan is estimated at unless the caller binds them: the benchmark's attention setting.
+DEFAULT_BINDINGS = {"batch": 8, "head": 16, "query": 4096, "key": 4096}
+DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    family = "attention"
+    certificate: Certificate
+    roles: AttentionRoles
+    maps: KernelMaps
+    bindings: dict[str, int]
+    estimates: tuple[Estimate, ...]
+
+    def describe(self) -> list[str]:
+        r = self.roles
+        lines = [*self.certificate.describe(), "kernel family: normalized-contraction attention",
+                 f"  Q = {r.query}[{' '.join(r.q_axes)}]  K = {r.key}[{' '.join(r.k_axes)}]  "
+                 f"V = {r.value}[{' '.join(r.v_axes)}]  -> {r.output}[{' '.join(r.o_axes)}]",
+                 f"  scale: {r.scale}   causal: {r.causal}   per-key weight: {r.weight or 'none'}",
+                 f"  triton: a1 = {self.maps.a1};  a2 = {self.maps.a2};  b = {self.maps.b}",
+                 f"          a1' = {self.maps.da1};  a2' = {self.maps.da2};  b'/b = {self.maps.db_over_b}",
+                 "  accumulators: o in registers (fp32), z (and m) per row in registers; no atomics "
+                 "(one program owns each query tile; the backward's dK/dV programs own key tiles)",
+                 "cost (per tile config, forward) at "
+                 + " ".join(f"{k}={v}" for k, v in self.bindings.items()) + ":"]
+        for e in self.estimates:
+            lines += ["  " + line for line in format_estimate(e)]
+        lines.append(f"autotune set: {len(self.estimates)} configs above (pruned from the candidates by "
+                     "SMEM and register capacity, ranked by the roofline estimate)")
+        return lines
+
+    @property
+    def output(self) -> str:
+        return self.roles.output
+
+    def render(self, program: ir.Program, op_id: str) -> str:
+        from .codegen.attention_op import render_attention_op
+
+        return render_attention_op(program, self.certificate, self.roles, self.maps, op_id)
+
+    def constant_inputs(self) -> frozenset[str]:
+        return frozenset({self.roles.weight} if self.roles.weight else ())
+
+    def validation_sizes(self, program: ir.Program) -> dict[str, int]:
+        """Odd sizes: 37 queries, 29 keys; 2 K/V heads with 2 query heads each where heads are grouped."""
+        r = self.roles
+        sizes = {r.q_axes[0]: 2, r.q_axes[2]: 37, r.k_axes[2]: 29}
+        head, kv_head = r.q_axes[1], r.k_axes[1]
+        if head != kv_head:
+            sizes[kv_head] = 2
+            for f in program.axis(head).factors:
+                sizes.setdefault(f, 2)
+            sizes[head] = 4
+        else:
+            sizes[head] = 3
+        for axis in program.axes:
+            if axis.fixed is not None:
+                sizes[axis.name] = axis.fixed
+            elif axis.name not in sizes:
+                sizes[axis.name] = 16  # e.g. a head dim bound at call time
+        return sizes
+
+
+def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan | None:
+    """The attention family claims specs whose output is a streamable normalized contraction."""
+    program = front.program
+    certificates = certify(program)
+    if not certificates:
+        return None
+    cert = certificates[0]
+    r = roles(program, cert)
+    maps = kernel_maps(cert)
+    sizes = {**DEFAULT_BINDINGS, **bindings}
+    bound = {}
+    for axis in program.axes:
+        bound[axis.name] = axis.fixed or sizes.get(axis.name) or sizes.get(_role_name(r, axis.name), 1024)
+    q_tensor = program.tensor(r.query)
+    heads = bound[r.q_axes[1]]
+    shape = AttentionShape(
+        batch_heads=bound[r.q_axes[0]] * heads,
+        kv_heads_ratio=heads // max(1, bound[r.k_axes[1]]),
+        n_query=bound[r.q_axes[2]], n_key=bound[r.k_axes[2]], head_dim=bound[r.q_axes[3]],
+        value_dim=bound[r.v_axes[3]], elem_bytes=DTYPE_BYTES.get(q_tensor.dtype or "bf16", 2), causal=r.causal,
+    )
+    shown = {a: bound[a] for a in dict.fromkeys((*r.q_axes, *r.k_axes))}
+    return AttentionPlan(cert, r, maps, shown, tuple(rank_configs(shape)))
+
+
+def _role_name(r: AttentionRoles, axis: str) -> str:
+    names = dict(zip(r.q_axes, ("batch", "head", "query", "dim"), strict=True))
+    names.update(zip(r.k_axes, ("batch", "head", "key", "dim"), strict=True))
+    return names.get(axis, axis)

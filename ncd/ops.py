@@ -27,6 +27,8 @@ class Op:
         self.module = module
         self.path = path
         self.name = front.program.name
+        # positional arguments: the spec's inputs, then its parameters, in declaration order
+        self.signature = (*front.program.inputs, *front.program.params)
         self.fn = getattr(module, self.name)
         self.Module = module.Module
         self.__doc__ = self.fn.__doc__

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionRoles
-from .backend import plan
+from .backend import KernelPlan, plan
 from .ops import Op
 from .reference import evaluate
 
@@ -31,63 +30,42 @@ class Row:
         return math.isfinite(self.error) and self.error <= self.tolerance
 
 
-def attention_sizes(roles: AttentionRoles, op: Op) -> dict[str, int]:
-    """Odd sizes: 37 queries, 29 keys; 2 kv heads with 2 query heads each where heads are grouped."""
-    program = op.front.program
-    sizes = {roles.q_axes[0]: 2, roles.q_axes[2]: 37, roles.k_axes[2]: 29}
-    head, kv_head = roles.q_axes[1], roles.k_axes[1]
-    if head != kv_head:
-        sizes[kv_head] = 2
-        for f in program.axis(head).factors:
-            sizes.setdefault(f, 2)
-        sizes[head] = 4
-    else:
-        sizes[head] = 3
-    for axis in program.axes:
-        if axis.fixed is not None:
-            sizes[axis.name] = axis.fixed
-        elif axis.name not in sizes:
-            sizes[axis.name] = 16  # e.g. a head dim bound at call time
-    return sizes
-
-
-def random_inputs(op: Op, sizes: dict[str, int], dtype: torch.dtype, device: str,
+def random_inputs(op: Op, kernel_plan: KernelPlan, sizes: dict[str, int], dtype: torch.dtype, device: str,
                   generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    program = op.front.program
-    roles = plan(op.front).roles
+    """Standard normal tensors; inputs the plan treats as constants (multiplicities) in [0.5, 2), fp32."""
     inputs = {}
-    for t in program.inputs:
+    for t in op.signature:
         if not t.axes:
             continue
         shape = [sizes[a] for a in t.axes]
-        if t.name == roles.weight:  # multiplicities: positive
+        if t.name in kernel_plan.constant_inputs():
             value = torch.rand(shape, generator=generator, dtype=torch.float32) * 1.5 + 0.5
+            inputs[t.name] = value.to(device)
         else:
             value = torch.randn(shape, generator=generator, dtype=torch.float32)
-        inputs[t.name] = value.to(device=device, dtype=dtype if t.name != roles.weight else torch.float32)
+            inputs[t.name] = value.to(device=device, dtype=dtype)
     return inputs
 
 
 def validate(op: Op, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int | None = None) -> list[Row]:
-    attention_plan = plan(op.front)
-    sizes = attention_sizes(attention_plan.roles, op)
+    kernel_plan = plan(op.front)
+    sizes = kernel_plan.validation_sizes(op.front.program)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    inputs = random_inputs(op, sizes, dtype, device, generator)
-    differentiable = [n for n in inputs if n != attention_plan.roles.weight]
+    inputs = random_inputs(op, kernel_plan, sizes, dtype, device, generator)
+    differentiable = [n for n in inputs if n not in kernel_plan.constant_inputs()]
     leaves = {n: v.detach().requires_grad_(n in differentiable) for n, v in inputs.items()}
-    args = [leaves[t.name] for t in op.front.program.inputs if t.axes]
-    out = op(*args)
+    out = op(*[leaves[t.name] for t in op.signature if t.axes])
     grad_out = torch.randn(out.shape, dtype=torch.float32, generator=generator).to(device=device, dtype=dtype)
     grads = torch.autograd.grad(out, [leaves[n] for n in differentiable], grad_out)
 
     ref_leaves = {n: v.detach().to("cpu", torch.float64).requires_grad_(n in differentiable)
                   for n, v in inputs.items()}
-    ref = evaluate(op.front.program, ref_leaves)[attention_plan.roles.output]
+    ref = evaluate(op.front.program, ref_leaves)[kernel_plan.output]
     ref_grads = torch.autograd.grad(ref, [ref_leaves[n] for n in differentiable], grad_out.cpu().double())
 
     tol = TOLERANCE[dtype]
     name = str(dtype).removeprefix("torch.")
-    rows = [Row(attention_plan.roles.output, name, _rel(out, ref), tol)]
+    rows = [Row(kernel_plan.output, name, _rel(out, ref), tol)]
     rows += [Row(f"d{n}", name, _rel(g, r), tol) for n, g, r in zip(differentiable, grads, ref_grads, strict=True)]
     return rows
 

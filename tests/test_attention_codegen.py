@@ -8,11 +8,9 @@ import ast
 import math
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
-
-from codegen.attention import (  # noqa: E402
+from codegen.attention import (
     AttentionKernelSpec,
     AttentionSpecError,
     load_attention_module,
