@@ -45,29 +45,19 @@ def _load_of_input(program: ir.Program, node: ir.Node, what: str) -> ir.Load:
     return node
 
 
-def _definition(program: ir.Program, name: str) -> ir.Definition:
-    return next(d for d in program.definitions if d.tensor == name)
-
-
-def _follow(program: ir.Program, node: ir.Node) -> ir.Node:
-    while isinstance(node, ir.Load) and program.tensor(node.tensor).role == "let":
-        node = _definition(program, node.tensor).value
-    return node
-
-
 def roles(program: ir.Program, cert: Certificate) -> AttentionRoles:
-    out = _definition(program, cert.output)
-    value = _follow(program, out.value)
+    out = program.definition(cert.output)
+    value = ir.inline(program, out.value)
     assert isinstance(value, ir.Contract)
     axis = cert.axis
-    lhs, rhs = _follow(program, value.lhs), _follow(program, value.rhs)
+    lhs, rhs = ir.inline(program, value.lhs), ir.inline(program, value.rhs)
     weights_node, v_node = (lhs, value.rhs) if _has_aggregate(lhs, axis) else (rhs, value.lhs)
-    v = _load_of_input(program, _follow(program, v_node), "V")
+    v = _load_of_input(program, ir.inline(program, v_node), "V")
     norm = weights_node if isinstance(weights_node, ir.Normalize) else None
-    scores = [n for n in _walk(program, weights_node) if isinstance(n, ir.Contract)]
+    scores = [n for n in ir.walk_inlined(program, weights_node) if isinstance(n, ir.Contract)]
     score = scores[0]
-    a, b = _load_of_input(program, _follow(program, score.lhs), "Q"), _load_of_input(
-        program, _follow(program, score.rhs), "K")
+    a, b = _load_of_input(program, ir.inline(program, score.lhs), "Q"), _load_of_input(
+        program, ir.inline(program, score.rhs), "K")
     q, k = (a, b) if axis in b.axes else (b, a)
     (dim,) = score.over
     row_axes = [x for x in q.axes if x not in k.axes and x != dim and not _factor_in(program, x, k.axes)]
@@ -100,7 +90,7 @@ def roles(program: ir.Program, cert: Certificate) -> AttentionRoles:
         raise UnsupportedAttention(out.span, detail=f"the output must be [{' '.join(o_axes)}] in some order")
     weight, weight_axes, causal = None, None, False
     if norm is not None and norm.weight is not None:
-        w = _load_of_input(program, _follow(program, norm.weight), "the per-key weight")
+        w = _load_of_input(program, ir.inline(program, norm.weight), "the per-key weight")
         if set(w.axes) - {batch, axis} or axis not in w.axes:
             raise UnsupportedAttention(w.span, detail=f"the per-key weight must be [{batch} {axis}] or [{axis}]")
         weight, weight_axes = w.tensor, (batch, axis)
@@ -129,14 +119,6 @@ def _factor_in(program: ir.Program, axis: str, axes: tuple[str, ...]) -> bool:
 def _has_aggregate(node: ir.Node, axis: str) -> bool:
     return isinstance(node, ir.Normalize) or any(
         isinstance(n, ir.Reduce) and axis in n.over for n in ir.walk(node))
-
-
-def _walk(program: ir.Program, node: ir.Node):
-    node = _follow(program, node)
-    yield node
-    if not isinstance(node, ir.Contract):
-        for child in ir.children(node):
-            yield from _walk(program, child)
 
 
 @dataclass(frozen=True)

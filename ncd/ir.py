@@ -261,6 +261,24 @@ def walk(node: Node) -> Iterator[Node]:
         yield from walk(child)
 
 
+def inline(program: Program, node: Node) -> Node:
+    """Follow loads of intermediates (read whole, not relabelled) to their definitions."""
+    while isinstance(node, Load) and program.tensor(node.tensor).role == "let":
+        if tuple(i.axis for i in node.index) != program.tensor(node.tensor).axes:
+            return node
+        node = program.definition(node.tensor).value
+    return node
+
+
+def walk_inlined(program: Program, node: Node) -> Iterator[Node]:
+    """Every node below `node`, looking through loads of intermediates; contractions are leaves."""
+    node = inline(program, node)
+    yield node
+    if not isinstance(node, Contract):
+        for child in children(node):
+            yield from walk_inlined(program, child)
+
+
 @dataclass(frozen=True)
 class Basis:
     """A polynomial family by its recurrence: P_0..P_{k-1} given, P_{n+1} from P_n, P_{n-1}, ..."""
@@ -295,6 +313,9 @@ class Program:
 
     def tensor(self, name: str) -> Tensor:
         return {t.name: t for t in self.tensors}[name]
+
+    def definition(self, name: str) -> Definition:
+        return next(d for d in self.definitions if d.tensor == name)
 
     @property
     def inputs(self) -> tuple[Tensor, ...]:

@@ -118,30 +118,12 @@ def certify(program: ir.Program) -> list[Certificate]:
     return [c for d in program.definitions if (c := _certify_definition(program, d)) is not None]
 
 
-def _inline(program: ir.Program, node: ir.Node) -> ir.Node:
-    """Follow a load of an intermediate to its definition (intermediates of whole tensors only)."""
-    while isinstance(node, ir.Load) and program.tensor(node.tensor).role == "let":
-        if any(i.axis is None for i in node.index):
-            return node
-        node = next(d.value for d in program.definitions if d.tensor == node.tensor)
-    return node
-
-
-def _walk_inlined(program: ir.Program, node: ir.Node):
-    """Every node below `node`, looking through loads of whole intermediates; contractions are leaves."""
-    node = _inline(program, node)
-    yield node
-    if not isinstance(node, ir.Contract):
-        for child in ir.children(node):
-            yield from _walk_inlined(program, child)
-
-
 def _certify_definition(program: ir.Program, d: ir.Definition) -> Certificate | None:
-    value = _inline(program, d.value)
+    value = ir.inline(program, d.value)
     if not isinstance(value, ir.Contract) or len(value.over) != 1:
         return None
     axis = value.over[0]
-    for weights in (_inline(program, value.lhs), _inline(program, value.rhs)):
+    for weights in (ir.inline(program, value.lhs), ir.inline(program, value.rhs)):
         if isinstance(weights, ir.Normalize) and weights.over == axis:
             return _from_normalize(program, d, weights)
         aggregates = [n for n in ir.walk(weights) if isinstance(n, ir.Reduce) and axis in n.over]
@@ -152,7 +134,7 @@ def _certify_definition(program: ir.Program, d: ir.Definition) -> Certificate | 
 
 def _score(program: ir.Program, node: ir.Node, axis: str, blame: ir.Node) -> tuple[ir.Contract, sympy.Expr]:
     """The contraction that produces the scores and the element-wise map applied to them."""
-    wires = [n for n in _walk_inlined(program, node) if isinstance(n, ir.Contract | ir.Load) and axis in n.axes]
+    wires = [n for n in ir.walk_inlined(program, node) if isinstance(n, ir.Contract | ir.Load) and axis in n.axes]
     contractions = list(dict.fromkeys(c for c in wires if isinstance(c, ir.Contract))) or wires
     if len(contractions) != 1 or not isinstance(contractions[0], ir.Contract):
         raise NotStreamable(blame.span, detail=f"the normalised scores must come from one contraction that "
@@ -164,7 +146,7 @@ def _score(program: ir.Program, node: ir.Node, axis: str, blame: ir.Node) -> tup
 
 def _map_of(program: ir.Program, node: ir.Node, score: ir.Node, axis: str, blame: ir.Node) -> sympy.Expr:
     """`node` as sympy in X standing for `score`; scalar inputs (scale) stay symbols."""
-    node = _inline(program, node)
+    node = ir.inline(program, node)
     if node == score:
         return X
     if isinstance(node, ir.Load) and not node.axes:
@@ -235,7 +217,7 @@ def _map_with_aggregate(program: ir.Program, node: ir.Node, score: ir.Node, aggr
                         r: sympy.Symbol, axis: str) -> sympy.Expr:
     if node == aggregate:
         return r
-    node = _inline(program, node)
+    node = ir.inline(program, node)
     if node == aggregate:
         return r
     if isinstance(node, ir.Binary) and not node.boolean:
