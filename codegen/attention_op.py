@@ -53,16 +53,12 @@ def render_attention_op(program: ir.Program, cert: Certificate, roles: Attention
     inputs = program.inputs
     params: list[str] = []
     tensor_inputs, scalar_inputs = [], []
-    optional = False
-    for t in inputs:
+    for t in inputs:  # backend._check_signature put the inputs with defaults last
         if t.axes:
             tensor_inputs.append({"name": t.name, "axes": repr(t.axes), "origin": t.span.origin})
         if t.default is not None:
-            optional = True
             scalar_inputs.append({"name": t.name, "default": _default_code(program, t), "origin": t.span.origin})
             params.append(f"{t.name}=None")
-        elif optional:
-            raise ValueError(f"input {t.name} without a default follows one with a default")
         else:
             params.append(t.name)
     spec_axes = {t.name: t.axes for t in program.tensors}
