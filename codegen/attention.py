@@ -23,13 +23,8 @@ accumulators by ``a1(m_old - m_new)`` and ``a2(m_old - m_new)``.
 from __future__ import annotations
 
 import ast
-import hashlib
-import importlib.util
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import jinja2
 
@@ -174,72 +169,3 @@ def render_attention_module(spec: AttentionKernelSpec) -> str:
     )
     ast.parse(text)  # the template must always produce valid Python
     return text
-
-
-def load_attention_module(spec: AttentionKernelSpec, cache_dir: str | Path | None = None) -> ModuleType:
-    """Render ``spec``, write it to a file (Triton's JIT needs real source files) and import it."""
-    text = render_attention_module(spec)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    directory = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "ncd_generated"
-    directory.mkdir(parents=True, exist_ok=True)
-    module_name = f"ncd_attention_{spec.name}_{digest}"
-    path = directory / f"{module_name}.py"
-    if not path.is_file() or path.read_text() != text:
-        tmp = path.with_suffix(f".tmp{id(text)}")
-        tmp.write_text(text)
-        tmp.replace(path)
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
-
-
-# ---------------------------------------------------------------------------------------------
-# The four families from the anchors (useful for tests and benchmarks)
-# ---------------------------------------------------------------------------------------------
-
-
-def spherical_spec(
-    causal: bool = False, has_weight: bool = False, name: str = "spherical"
-) -> AttentionKernelSpec:
-    return AttentionKernelSpec(
-        name=name, a1="x", a2="x * x", da1="1.0", da2="2.0 * x", b="tl.sqrt(z)", db_over_b="0.5 / z",
-        online_max=False, causal=causal, has_weight=has_weight,
-    )
-
-
-def softmax_spec(
-    causal: bool = False, has_weight: bool = False, name: str = "softmax"
-) -> AttentionKernelSpec:
-    return AttentionKernelSpec(
-        name=name, a1="tl.exp(x)", a2="tl.exp(x)", da1="tl.exp(x)", da2="tl.exp(x)", b="z",
-        db_over_b="1.0 / z", online_max=True, causal=causal, has_weight=has_weight,
-    )
-
-
-def sigmoid_spec(
-    causal: bool = False, has_weight: bool = False, name: str = "sigmoid"
-) -> AttentionKernelSpec:
-    return AttentionKernelSpec(
-        name=name, a1="tl.sigmoid(x)", a2="tl.sigmoid(x)",
-        da1="tl.sigmoid(x) * (1.0 - tl.sigmoid(x))", da2="tl.sigmoid(x) * (1.0 - tl.sigmoid(x))",
-        b="z", db_over_b="1.0 / z", online_max=False, causal=causal, has_weight=has_weight,
-    )
-
-
-def signed_l1_spec(
-    causal: bool = False, has_weight: bool = False, name: str = "signed_l1"
-) -> AttentionKernelSpec:
-    return AttentionKernelSpec(
-        name=name, a1="x", a2="tl.abs(x)", da1="1.0",
-        da2="tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))", b="z", db_over_b="1.0 / z",
-        online_max=False, causal=causal, has_weight=has_weight,
-    )

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -66,13 +67,20 @@ def _import(path: Path, name: str) -> ModuleType:
     return module
 
 
-def load(path: str | Path, cache_dir: str | Path | None = None) -> Op:
-    """Compile the spec at `path` (cached by content) and return its op."""
-    front = load_spec(path)
-    ident = op_id(front)
+def import_generated(ident: str, render: Callable[[], str], cache_dir: str | Path | None = None
+                     ) -> tuple[ModuleType, Path]:
+    """Import generated module `ident` from the cache, rendering and writing it first if it is missing.
+    Triton's JIT reads kernel source from files, so generated code always lives in a real file."""
     directory = Path(cache_dir) if cache_dir is not None else settings().cache_dir
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / f"{ident}.py"
     if not target.is_file():
-        _write_atomically(target, generate(front))
-    return Op(front, _import(target, f"ncd_generated_{ident}"), target)
+        _write_atomically(target, render())
+    return _import(target, f"ncd_generated_{ident}"), target
+
+
+def load(path: str | Path, cache_dir: str | Path | None = None) -> Op:
+    """Compile the spec at `path` (cached by content) and return its op."""
+    front = load_spec(path)
+    module, target = import_generated(op_id(front), lambda: generate(front), cache_dir)
+    return Op(front, module, target)

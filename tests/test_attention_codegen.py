@@ -5,31 +5,64 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 
 import ast
+import hashlib
 import math
 
 import pytest
 import torch
 
-from codegen.attention import (
-    AttentionKernelSpec,
-    AttentionSpecError,
-    load_attention_module,
-    render_attention_module,
-    sigmoid_spec,
-    signed_l1_spec,
-    softmax_spec,
-    spherical_spec,
-)
+from ncd.attention import plan_attention
+from ncd.codegen.attention import AttentionKernelSpec, AttentionSpecError, render_attention_module
+from ncd.codegen.attention_op import kernel_spec
+from ncd.ops import import_generated
+from ncd.pipeline import front_end
 
 # Padding query rows past Nq compute 0/0 (spherical with q = 0) in the interpreter; they are never stored.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
 
+# Each family: the spec's normalize functions (compiled, derivatives from sympy) and torch maps for the
+# independent float64 reference below.
 FAMILIES = {
-    "spherical": (spherical_spec, lambda s: s, lambda s: s * s, torch.sqrt),
-    "softmax": (softmax_spec, torch.exp, torch.exp, lambda z: z),
-    "sigmoid": (sigmoid_spec, torch.sigmoid, torch.sigmoid, lambda z: z),
-    "signed_l1": (signed_l1_spec, lambda s: s, torch.abs, lambda z: z),
+    "spherical": ("a1(x) = x, a2(x) = x^2, b(z) = sqrt(z)", lambda s: s, lambda s: s * s, torch.sqrt),
+    "softmax": ("a1(x) = exp(x), a2(x) = exp(x), b(z) = z", torch.exp, torch.exp, lambda z: z),
+    "sigmoid": ("a1(x) = sigmoid(x), a2(x) = sigmoid(x), b(z) = z", torch.sigmoid, torch.sigmoid, lambda z: z),
+    "signed_l1": ("a1(x) = x, a2(x) = abs(x), b(z) = z", lambda s: s, torch.abs, lambda z: z),
 }
+
+
+def compiled_kernel_spec(family: str, causal: bool = False, has_weight: bool = False) -> AttentionKernelSpec:
+    """The kernel spec the compiler derives from a small attention spec of this family."""
+    extras = (", mask = key <= query" if causal else "") + (", weight = M" if has_weight else "")
+    text = f"""spec {family}
+axis batch, kvhead, qgroup, query, key
+axis head = kvhead * qgroup
+axis dim
+in Q[batch head query dim] : f32
+in K[batch kvhead key dim] : f32
+in V[batch kvhead key dim] : f32
+{"in M[batch key] : f32" if has_weight else ""}
+S[batch head query key] = Q . K over dim
+A[batch head query key] = normalize(S, over key, {FAMILIES[family][0]}{extras})
+out O[batch head query dim] = A . V over key
+"""
+    front = front_end(text, f"{family}.ncd")
+    plan = plan_attention(front, {})
+    assert plan is not None
+    return kernel_spec(family, plan.certificate, plan.roles, plan.maps, front.program)
+
+
+def load_attention_module(spec: AttentionKernelSpec, cache_dir):
+    text = render_attention_module(spec)
+    ident = f"kernels_{spec.name}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    return import_generated(ident, lambda: text, cache_dir)[0]
+
+
+def spherical_spec(causal=False, has_weight=False):
+    return compiled_kernel_spec("spherical", causal, has_weight)
+
+
+def softmax_spec(causal=False, has_weight=False):
+    return compiled_kernel_spec("softmax", causal, has_weight)
 
 
 def reference(family, q, k, v, w, scale, causal):
@@ -89,7 +122,7 @@ def _case_id(case):
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_forward_and_gradients_match_float64_reference(case, tmp_path):
     family, causal, weight, (batch, hq, hkv, n_q, n_k, dim), dtype, noncontig = case
-    module = load_attention_module(FAMILIES[family][0](causal=causal, has_weight=weight), cache_dir=tmp_path)
+    module = load_attention_module(compiled_kernel_spec(family, causal, weight), tmp_path)
     module.POISON_OUTPUTS = True
     q, k, v, w = _inputs(batch, hq, hkv, n_q, n_k, dim, dtype, weight, noncontig)
     scale = 1.0 / math.sqrt(dim) * (0.7 if family == "softmax" else 1.0)
@@ -113,7 +146,7 @@ def test_forward_and_gradients_match_float64_reference(case, tmp_path):
 
 
 def test_stats_and_default_scale(tmp_path):
-    module = load_attention_module(softmax_spec(), cache_dir=tmp_path)
+    module = load_attention_module(softmax_spec(), tmp_path)
     q, k, v, _ = _inputs(1, 2, 2, 19, 23, 16, torch.float32, False, False)
     o, (z, m) = module.forward(q.detach(), k.detach(), v.detach())
     s = (q.detach().double() @ k.detach().double().transpose(-1, -2)) / 4.0
@@ -121,7 +154,7 @@ def test_stats_and_default_scale(tmp_path):
     assert rel_err(z, torch.exp(s - s.amax(-1, keepdim=True)).sum(-1)) < 1e-6
     ref = reference("softmax", q.double(), k.double(), v.double(), None, 0.25, False)
     assert rel_err(o, ref) < 1e-4
-    _, (z2, m2) = load_attention_module(spherical_spec(), cache_dir=tmp_path).forward(q, k, v)
+    _, (z2, m2) = load_attention_module(spherical_spec(), tmp_path).forward(q, k, v)
     assert m2 is None and z2.shape == (1, 2, 19)
 
 
@@ -163,7 +196,7 @@ def test_bad_specs_are_rejected(field, value):
 @pytest.mark.parametrize("family", ["softmax", "spherical"])
 def test_heads_fast_grid_order(family, tmp_path):
     """The HEADS_FAST launch order (batch * heads on the x axis) computes the same thing."""
-    module = load_attention_module(FAMILIES[family][0](causal=True), cache_dir=tmp_path / "hf")
+    module = load_attention_module(compiled_kernel_spec(family, causal=True), tmp_path / "hf")
     for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
         getattr(module, f"_{family}_{kernel}_kernel").configs[0].kwargs["HEADS_FAST"] = 1
     module.POISON_OUTPUTS = True
