@@ -85,6 +85,9 @@ class AttentionKernelSpec:
     causal: bool  # key j visible to query i iff j <= i
     has_weight: bool  # per-key multiplicity w[batch, key] (fp32) multiplies both sums
     origin: tuple[tuple[str, str], ...] = ()  # (label, "spec.ncd:LINE") pairs
+    # forward autotune set (BLOCK_M, BLOCK_N, num_warps, num_stages), from the plan's cost ranking;
+    # empty: the template's measured default list
+    forward_configs: tuple[tuple[int, int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -93,6 +96,9 @@ class AttentionKernelSpec:
             _check_expression(field, getattr(self, field), "x")
         for field in ("b", "db_over_b"):
             _check_expression(field, getattr(self, field), "z")
+        for config in self.forward_configs:
+            if len(config) != 4 or not all(isinstance(v, int) and v > 0 for v in config):
+                raise AttentionSpecError(f"forward configs are 4 positive ints, got {config!r}")
         for pair in self.origin:
             if len(pair) != 2 or not all(isinstance(p, str) and "\n" not in p for p in pair):
                 raise AttentionSpecError(f"origin entries must be (label, location) string pairs: {pair!r}")
@@ -163,6 +169,7 @@ def render_attention_module(spec: AttentionKernelSpec) -> str:
         functions=functions,
         same_a=same_a,
         exp2=exp2,
+        forward_configs=[list(c) for c in spec.forward_configs],
         origin_comment=origin_comment,
         all_origins=list(origin.items()),
         other_origins=other_origins,

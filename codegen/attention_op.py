@@ -16,7 +16,8 @@ from .attention import AttentionKernelSpec, _environment, render_attention_modul
 
 
 def kernel_spec(name: str, cert: Certificate, roles: AttentionRoles, maps: KernelMaps,
-                program: ir.Program) -> AttentionKernelSpec:
+                program: ir.Program, forward_configs: tuple[tuple[int, int, int, int], ...] = ()
+                ) -> AttentionKernelSpec:
     norm_line = cert.span.origin
     out_line = program.tensor(roles.output).span.origin
     origin = [("a1", norm_line), ("a2", norm_line), ("da1", norm_line), ("da2", norm_line), ("b", norm_line),
@@ -30,7 +31,7 @@ def kernel_spec(name: str, cert: Certificate, roles: AttentionRoles, maps: Kerne
     return AttentionKernelSpec(
         name=name, a1=maps.a1, a2=maps.a2, da1=maps.da1, da2=maps.da2, b=maps.b, db_over_b=maps.db_over_b,
         online_max=cert.rescale is not None, causal=roles.causal, has_weight=roles.weight is not None,
-        origin=tuple(origin),
+        origin=tuple(origin), forward_configs=forward_configs,
     )
 
 
@@ -47,8 +48,8 @@ def _default_code(program: ir.Program, tensor: ir.Tensor) -> str:
 
 
 def render_attention_op(program: ir.Program, cert: Certificate, roles: AttentionRoles, maps: KernelMaps,
-                        op_id: str) -> str:
-    spec = kernel_spec(op_id, cert, roles, maps, program)
+                        op_id: str, forward_configs: tuple[tuple[int, int, int, int], ...] = ()) -> str:
+    spec = kernel_spec(op_id, cert, roles, maps, program, forward_configs)
     kernels = render_attention_module(spec)
     inputs = program.inputs
     params: list[str] = []

@@ -184,7 +184,9 @@ class AttentionPlan:
     def render(self, program: ir.Program, op_id: str) -> str:
         from .codegen.attention_op import render_attention_op
 
-        return render_attention_op(program, self.certificate, self.roles, self.maps, op_id)
+        configs = tuple((e.config.block_m, e.config.block_n, e.config.num_warps, e.config.num_stages)
+                        for e in self.estimates)
+        return render_attention_op(program, self.certificate, self.roles, self.maps, op_id, configs)
 
     def constant_inputs(self) -> frozenset[str]:
         return frozenset({self.roles.weight} if self.roles.weight else ())

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ncd
+from ncd.backend import plan
 from ncd.errors import CallError
 from ncd.streaming import certify
 from ncd.validate import validate
@@ -57,6 +58,9 @@ def test_generated_code_is_readable_python_with_origins(op_cache):
     assert "# spherical_attention.ncd:16" in text  # the normalize line
     assert "tl.sqrt(z)" in text and "torch.library.custom_op" in text
     assert list(inspect.signature(op.fn).parameters) == ["Q", "K", "V", "scale"]
+    # the forward's autotune set is the plan's cost ranking, best first
+    best = plan(op.front).estimates[0].config
+    assert f'"fwd": [({best.block_m}, {best.block_n}, {best.num_warps}, {best.num_stages}), ' in text
 
 
 def test_cache_reuses_the_generated_module(op_cache):
