@@ -10,6 +10,7 @@ import sympy
 from . import ir
 from .cost import AttentionShape, Estimate, format_estimate, rank_configs
 from .errors import NotStreamable
+from .factorize import Factorization, factorize
 from .pipeline import FrontEnd
 from .streaming import Certificate, X, Z, certify
 from .symbolic import triton_expr
@@ -158,6 +159,7 @@ class AttentionPlan:
     maps: KernelMaps
     bindings: dict[str, int]
     estimates: tuple[Estimate, ...]
+    factorization: Factorization | None = None
 
     def describe(self) -> list[str]:
         r = self.roles
@@ -175,6 +177,8 @@ class AttentionPlan:
             lines += ["  " + line for line in format_estimate(e)]
         lines.append(f"autotune set: {len(self.estimates)} configs above (pruned from the candidates by "
                      "SMEM and register capacity, ranked by the roofline estimate)")
+        if self.factorization is not None:
+            lines += self.factorization.describe()
         return lines
 
     @property
@@ -186,7 +190,8 @@ class AttentionPlan:
 
         configs = tuple((e.config.block_m, e.config.block_n, e.config.num_warps, e.config.num_stages)
                         for e in self.estimates)
-        return render_attention_op(program, self.certificate, self.roles, self.maps, op_id, configs)
+        return render_attention_op(program, self.certificate, self.roles, self.maps, op_id, configs,
+                                   self.factorization)
 
     def constant_inputs(self) -> frozenset[str]:
         return frozenset({self.roles.weight} if self.roles.weight else ())
@@ -233,7 +238,7 @@ def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan |
         value_dim=bound[r.v_axes[3]], elem_bytes=DTYPE_BYTES.get(q_tensor.dtype or "bf16", 2), causal=r.causal,
     )
     shown = {a: bound[a] for a in dict.fromkeys((*r.q_axes, *r.k_axes))}
-    return AttentionPlan(cert, r, maps, shown, tuple(rank_configs(shape)))
+    return AttentionPlan(cert, r, maps, shown, tuple(rank_configs(shape)), factorize(cert, r.causal))
 
 
 def _role_name(r: AttentionRoles, axis: str) -> str:

@@ -17,13 +17,18 @@ class Settings:
     verify: bool  # NCD_VERIFY: re-verify the IR after every stage (default on)
     debug: bool  # NCD_DEBUG: show Python tracebacks for internal errors
     cache_dir: Path  # NCD_CACHE_DIR: where compiled ops are cached
+    attention_factorize: str  # NCD_ATTENTION_FACTORIZE: auto (cost model) | always | never
 
     @classmethod
     def from_env(cls) -> Settings:
         cache = os.environ.get("NCD_CACHE_DIR") or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ncd"
         )
-        return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=Path(cache))
+        factorize = os.environ.get("NCD_ATTENTION_FACTORIZE", "auto").strip().lower()
+        if factorize not in ("auto", "always", "never"):
+            raise ValueError(f"NCD_ATTENTION_FACTORIZE must be auto, always or never, not {factorize!r}")
+        return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=Path(cache),
+                   attention_factorize=factorize)
 
 
 def settings() -> Settings:

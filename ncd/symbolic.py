@@ -42,6 +42,32 @@ def lambda_to_sympy(fn: ir.Lambda, symbol: sympy.Symbol) -> sympy.Expr:
     return to_sympy(fn.body, None, {fn.param: symbol})
 
 
+class SignPlus(sympy.Function):
+    """sign(u) with sign(0) = +1: ncd's derivative of |u| (the KAT reference kernels' convention)."""
+
+    @classmethod
+    def eval(cls, arg: sympy.Expr) -> sympy.Expr | None:
+        if arg.is_number and arg.is_real:
+            return sympy.Integer(1) if arg >= 0 else sympy.Integer(-1)
+        return None
+
+    def fdiff(self, argindex: int = 1) -> sympy.Expr:
+        return sympy.Integer(0)  # almost everywhere
+
+
+class AbsPlus(sympy.Function):
+    """|u| whose derivative is SignPlus(u): d|u|/du at u = 0 is +1 (docs/language.md, "Derivatives of abs")."""
+
+    @classmethod
+    def eval(cls, arg: sympy.Expr) -> sympy.Expr | None:
+        if arg.is_number and arg.is_real:
+            return sympy.Abs(arg)
+        return None
+
+    def fdiff(self, argindex: int = 1) -> sympy.Expr:
+        return SignPlus(self.args[0])
+
+
 SYMPY_FUNCTIONS = {
     "abs": sympy.Abs, "sign": sympy.sign, "exp": sympy.exp, "log": sympy.log, "sqrt": sympy.sqrt,
     "tanh": sympy.tanh, "sigmoid": lambda x: 1 / (1 + sympy.exp(-x)), "sin": sympy.sin, "cos": sympy.cos,
@@ -102,6 +128,25 @@ class TritonPrinter(StrPrinter):
     def _print_Abs(self, expr: sympy.Abs) -> str:
         return f"tl.abs({self._print(expr.args[0])})"
 
+    # acos(u) on [-1, 1] by Abramowitz & Stegun 4.4.46, |error| <= 2e-8 (fp32: about 4e-7, as np.arccos in
+    # fp32), with acos(-u) = pi - acos(u): tl has no acos, and libdevice does not run in the CPU interpreter.
+    _ACOS = (1.5707963050, -0.2145988016, 0.0889789874, -0.0501743046, 0.0308918810, -0.0170881256,
+             0.0066700901, -0.0012624911)
+
+    def _print_acos(self, expr: sympy.Expr) -> str:
+        u = self._print(expr.args[0])
+        a = f"tl.abs({u})"
+        poly = repr(self._ACOS[-1])
+        for c in reversed(self._ACOS[:-1]):
+            poly = f"({poly} * {a} + {c!r})"
+        return f"tl.where(({u}) >= 0, tl.sqrt(1.0 - {a}) * {poly}, {float(sympy.pi)!r} - tl.sqrt(1.0 - {a}) * {poly})"
+
+    def _print_AbsPlus(self, expr: sympy.Expr) -> str:
+        return f"tl.abs({self._print(expr.args[0])})"
+
+    def _print_SignPlus(self, expr: sympy.Expr) -> str:  # sign with sign(0) = +1
+        return f"tl.where(({self._print(expr.args[0])}) >= 0, 1.0, -1.0)"
+
     def _print_Heaviside(self, expr: sympy.Expr) -> str:  # d/dx max(x, 0): the subgradient 0 at 0
         return f"tl.where(({self._print(expr.args[0])}) > 0, 1.0, 0.0)"
 
@@ -137,3 +182,53 @@ class TritonPrinter(StrPrinter):
 
 def triton_expr(expr: sympy.Expr) -> str:
     return TritonPrinter().doprint(expr)
+
+
+class TorchPrinter(StrPrinter):
+    """Prints a sympy expression of one variable as torch code (the factorized attention's b(z))."""
+
+    _FUNCS: ClassVar[dict[str, str]] = {
+        "exp": "torch.exp", "log": "torch.log", "sqrt": "torch.sqrt", "Abs": "torch.abs", "tanh": "torch.tanh",
+        "sin": "torch.sin", "cos": "torch.cos",
+    }
+
+    def __init__(self, variable: sympy.Symbol) -> None:
+        super().__init__()
+        self.variable = variable
+
+    def _print_Symbol(self, expr: sympy.Symbol) -> str:
+        if expr != self.variable:
+            raise ValueError(f"unexpected symbol {expr}")
+        return expr.name
+
+    def _print_Float(self, expr: sympy.Float) -> str:
+        return repr(float(expr))
+
+    def _print_Rational(self, expr: sympy.Rational) -> str:
+        return repr(float(expr))
+
+    def _print_Integer(self, expr: sympy.Integer) -> str:
+        return f"{int(expr)}.0"
+
+    def _print_Function(self, expr: sympy.Function) -> str:
+        name = type(expr).__name__
+        if name not in self._FUNCS:
+            raise ValueError(f"no torch lowering for {name}")
+        return f"{self._FUNCS[name]}({', '.join(self._print(a) for a in expr.args)})"
+
+    _print_exp = _print_log = _print_sin = _print_cos = _print_tanh = _print_Function
+
+    def _print_Abs(self, expr: sympy.Abs) -> str:
+        return f"torch.abs({self._print(expr.args[0])})"
+
+    def _print_Pow(self, expr: sympy.Pow, rational: bool = False) -> str:
+        base, exp = expr.args
+        if exp == sympy.Rational(1, 2):
+            return f"torch.sqrt({self._print(base)})"
+        if exp == -sympy.Rational(1, 2):
+            return f"torch.rsqrt({self._print(base)})"
+        return f"({self.parenthesize(base, 100)} ** {float(exp)!r})"
+
+
+def torch_expr(expr: sympy.Expr, variable: sympy.Symbol) -> str:
+    return TorchPrinter(variable).doprint(expr)

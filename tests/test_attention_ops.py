@@ -183,3 +183,41 @@ out O[batch head query vd] = A . V over key
 """)
     code, _, err = run_cli("check", str(spec))
     assert code == 1 and "vd.ncd:10:34:" in err and "equal to the head dim" in err
+
+
+GQA_WEIGHTED_SPHERICAL = """spec gqa_weighted_spherical
+axis batch, query, key, kvhead, qgroup
+axis head = kvhead * qgroup
+axis dim = 32
+in  Q[batch head query dim] : f32
+in  K[batch kvhead key dim] : f32
+in  V[batch kvhead key dim] : f32
+in  M[batch key] : f32
+S[batch head query key] = Q . K over dim
+A[batch head query key] = normalize(S, over key, a1(x) = x, a2(x) = x^2, b(z) = sqrt(z), weight = M)
+out O[batch head query dim] = A . V over key
+"""
+
+
+@pytest.mark.parametrize("source", ["spherical_attention", "gqa_weighted_spherical"])
+def test_factorized_form_matches_float64(source, tmp_path, op_cache):
+    if source == "spherical_attention":
+        op = _load(source, op_cache)
+    else:
+        spec = tmp_path / f"{source}.ncd"
+        spec.write_text(GQA_WEIGHTED_SPHERICAL)
+        op = ncd.load(spec, cache_dir=op_cache)
+    assert "factorized form" in "\n".join(plan(op.front).describe())
+    op.module.FACTORIZE = "always"
+    try:
+        rows = validate(op, torch.float32)
+    finally:
+        op.module.FACTORIZE = "auto"
+    assert len(rows) == 4 and all(r.ok for r in rows), rows
+
+
+def test_factorization_is_chosen_by_cost_and_only_where_valid(op_cache):
+    op = _load("spherical_attention", op_cache)
+    assert op.module._use_factorized(4096, 4096, 128) and not op.module._use_factorized(37, 29, 128)
+    for stem in ("softmax_attention", "causal_spherical_attention", "signed_l1_attention"):
+        assert plan(ncd.load_spec(next(p for p in SPECS if p.stem == stem))).factorization is None
