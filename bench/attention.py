@@ -94,10 +94,15 @@ def check(ops, log, n: int = 1000) -> bool:
     batch, heads = 2, 4
     for (family, causal), op in ops.items():
         default = getattr(op.module, "DETERMINISTIC_BWD", None)
-        variants = BWD_VARIANTS if default is not None else {"default": None}
-        for vname, flag in variants.items():
+        variants = dict(BWD_VARIANTS) if default is not None else {"default": None}
+        forms = {"factorized": "always", "streamed": "never"} if hasattr(op.module, "FACTORIZE") else {"": None}
+        cases = [(f"{v}{'+' + f if f else ''}", flag, form)
+                 for v, flag in variants.items() for f, form in forms.items()]
+        for vname, flag, form in cases:
             if flag is not None:
                 op.module.DETERMINISTIC_BWD = flag
+            if form is not None:
+                op.module.FACTORIZE = form
             op.module.POISON_OUTPUTS = True
             gen = torch.Generator(device="cuda").manual_seed(hash((family, causal, vname)) % 2**31)
             q, k, v = (torch.randn(batch, heads, n, DIM, device="cuda", dtype=DTYPE, generator=gen)
@@ -116,11 +121,13 @@ def check(ops, log, n: int = 1000) -> bool:
             finite = all(bool(torch.isfinite(t).all()) for t in (o, q.grad, k.grad, v.grad))
             good = finite and all(e < TOL for e in errs.values())
             ok &= good
-            log(f"check {family:9s} causal={causal!s:5s} bwd={vname:9s} finite={finite} "
+            log(f"check {family:9s} causal={causal!s:5s} bwd={vname:20s} finite={finite} "
                 + " ".join(f"{key}={val:.2e}" for key, val in errs.items()) + ("  OK" if good else "  FAIL"))
             op.module.POISON_OUTPUTS = False
         if default is not None:
             op.module.DETERMINISTIC_BWD = default
+        if hasattr(op.module, "FACTORIZE"):
+            op.module.FACTORIZE = "auto"
     return ok
 
 
@@ -167,6 +174,17 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool):
     def comp(q_, k_, v_):
         return compiled(q_, k_, v_, causal)
 
+    def streamed(module, run):
+        """The streamed kernels even where the cost model would pick the factorized form."""
+        def wrapped():
+            old = module.FACTORIZE
+            module.FACTORIZE = "never"
+            try:
+                run()
+            finally:
+                module.FACTORIZE = old
+        return wrapped
+
     cases = [
         ("sdpa", "fwd", fwd(sdpa)), ("sdpa", "fwdbwd", fwdbwd(sdpa)),
         ("spherical", "fwd", fwd(sph)), ("spherical", "fwdbwd", fwdbwd(sph)),
@@ -174,6 +192,9 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool):
         ("eager_spherical", "fwd", fwd(eager)), ("eager_spherical", "fwdbwd", fwdbwd(eager)),
         ("compiled_spherical", "fwd", fwd(comp)), ("compiled_spherical", "fwdbwd", fwdbwd(comp)),
     ]
+    if hasattr(sph.module, "FACTORIZE"):
+        cases += [("spherical_streamed", "fwd", streamed(sph.module, fwd(sph))),
+                  ("spherical_streamed", "fwdbwd", streamed(sph.module, fwdbwd(sph)))]
     if variants:
         for name, op in (("spherical", sph), ("softmax", smx)):
             if hasattr(op.module, "DETERMINISTIC_BWD"):
@@ -246,6 +267,17 @@ def table(rows, log):
                  _fmt(db), _ratio(db, sb), _fmt(cf), _ratio(cf, sf), _fmt(cb), _ratio(cb, sb), _fmt(ef), _fmt(eb),
                  _fmt(xf), _ratio(df, xf), _fmt(xb), _ratio(db, xb)]
         log("| " + " | ".join(cells) + " |")
+    streamed_rows = [r for r in rows if r["impl"] == "spherical_streamed"]
+    if streamed_rows:
+        log("")
+        log("spherical through the streamed kernels (the factorized form disabled), against SDPA:")
+        log("| N | B | causal | streamed sph fwd | /SDPA fwd | streamed sph fwd+bwd | /SDPA fwd+bwd |")
+        log("|---|---|---|---|---|---|---|")
+        for n, batch, causal in shapes:
+            f, b = by.get((n, causal, "spherical_streamed", "fwd")), by.get((n, causal, "spherical_streamed", "fwdbwd"))
+            df, db = by.get((n, causal, "sdpa", "fwd")), by.get((n, causal, "sdpa", "fwdbwd"))
+            log(f"| {n} | {batch} | {'yes' if causal else 'no'} | {_fmt(f)} | {_ratio(df, f)} | {_fmt(b)} | "
+                f"{_ratio(db, b)} |")
     variant_rows = [r for r in rows if "[" in r["impl"]]
     if variant_rows:
         log("")
