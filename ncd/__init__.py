@@ -5,11 +5,11 @@ from .ir import Program
 from .pipeline import FrontEnd, front_end, load_spec
 
 
-def load(path, cache_dir=None):
-    """Compile a spec (cached by content hash) and return its op; see `ncd.ops.load`."""
+def load(path, cache_dir=None, sizes=None, options=None):
+    """Compile a spec (cached by content hash, size overrides and options) and return its op; see `ncd.ops.load`."""
     from .ops import load as _load
 
-    return _load(path, cache_dir)
+    return _load(path, cache_dir, sizes, options)
 
 
 __version__ = "0.1.0"

@@ -35,16 +35,31 @@ class KernelPlan(Protocol):
 
 def _families() -> list[Callable[[FrontEnd, dict[str, int]], KernelPlan | None]]:
     from .attention import plan_attention
+    from .polykan import plan_polykan
+    from .rational import plan_rational
 
-    return [plan_attention]
+    return [plan_attention, plan_rational, plan_polykan]
 
 
 def find_plan(front: FrontEnd, bindings: dict[str, int] | None = None) -> KernelPlan | None:
     for family in _families():
         found = family(front, bindings or {})
         if found is not None:
+            _check_signature(front.program)
             return found
     return None
+
+
+def _check_signature(program: ir.Program) -> None:
+    """Generated ops take the spec's inputs positionally, so inputs with defaults must come last."""
+    optional = None
+    for t in program.inputs:
+        if t.default is not None:
+            optional = optional or t
+        elif optional is not None:
+            raise InvalidStatement(t.span, detail=f"input '{t.name}' has no default but follows '{optional.name}', "
+                                   "which has one", hint="the op's positional arguments follow the `in` lines: "
+                                   "declare inputs with defaults last")
 
 
 def plan(front: FrontEnd, bindings: dict[str, int] | None = None) -> KernelPlan:
@@ -66,7 +81,8 @@ def _template_digest() -> str:
 
 def op_id(front: FrontEnd) -> str:
     """A name unique to this spec text, this ncd and these templates (custom ops are global per process)."""
-    digest = hashlib.sha256(f"{__version__}\0{_template_digest()}\0{front.source.text}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{__version__}\0{_template_digest()}\0{front.source.text}\0{front.sizes}\0"
+                            f"{front.options}".encode()).hexdigest()
     return f"{front.program.name}_{digest[:12]}"
 
 

@@ -21,6 +21,13 @@ import sympy
 from .streaming import Certificate, X, Z
 from .symbolic import torch_expr
 
+# The streamed form costs 4 Nq Nk D tensor-core FLOPs; the factorized one ~8 (Nq + Nk) D^2 FLOPs but runs
+# memory-bound with several passes over [N, D] tensors. Counting FLOPs alone puts the crossover at
+# Nq Nk / (Nq + Nk) = 2 D; measured on H100 (BENCHMARKS.md, 2026-11-21: bf16, D = 128, 32k tokens x 16 heads,
+# factorized 0.76 ms fwd / 3.5 ms fwd+bwd at every N, streamed 0.52 / 2.78 ms at N = 1024 and 0.94 / 4.88 ms
+# at N = 2048) it sits near N = 12 D for self-attention, i.e. Nq Nk / (Nq + Nk) = 6 D.
+CROSSOVER = 6
+
 
 @dataclass(frozen=True)
 class Factorization:
@@ -30,6 +37,7 @@ class Factorization:
     e1: float
     e2: float
     b_torch: str  # b(z) as torch source in `z`
+    crossover: int = CROSSOVER
 
     def describe(self) -> list[str]:
         return [
@@ -38,7 +46,7 @@ class Factorization:
             f"  z          = {self.e0:g} * sum_j w_j + {self.e1:g} * scale * q . sum_j w_j k_j"
             f" + {self.e2:g} * scale^2 * q^T (K_w^T K) q",
             f"  O = numerator / b(z), b(z) = {self.b_torch};  moments are D x D per head, so the cost is "
-            "O((Nq + Nk) D^2); used when 4 Nq Nk D > 8 (Nq + Nk) D^2, i.e. Nq Nk / (Nq + Nk) > 2 D",
+            f"O((Nq + Nk) D^2); chosen per call when Nq Nk / (Nq + Nk) > {self.crossover} D (measured crossover)",
         ]
 
 

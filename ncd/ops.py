@@ -10,7 +10,7 @@ import importlib.util
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -79,8 +79,11 @@ def import_generated(ident: str, render: Callable[[], str], cache_dir: str | Pat
     return _import(target, f"ncd_generated_{ident}"), target
 
 
-def load(path: str | Path, cache_dir: str | Path | None = None) -> Op:
-    """Compile the spec at `path` (cached by content) and return its op."""
-    front = load_spec(path)
+def load(path: str | Path, cache_dir: str | Path | None = None, sizes: Mapping[str, int] | None = None,
+         options: Mapping[str, str] | None = None) -> Op:
+    """Compile the spec at `path` (cached by content) and return its op. `sizes` overrides fixed axis sizes
+    (`sizes={"deg": 25}` compiles `axis deg = 9` as 25, re-checking the spec); `options` are family options
+    (polykan: `{"basis_eval": "lut" | "recurrence"}`). Both are part of the cache key."""
+    front = load_spec(path, sizes, options)
     module, target = import_generated(op_id(front), lambda: generate(front), cache_dir)
     return Op(front, module, target)

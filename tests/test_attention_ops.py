@@ -218,6 +218,7 @@ def test_factorized_form_matches_float64(source, tmp_path, op_cache):
 
 def test_factorization_is_chosen_by_cost_and_only_where_valid(op_cache):
     op = _load("spherical_attention", op_cache)
-    assert op.module._use_factorized(4096, 4096, 128) and not op.module._use_factorized(37, 29, 128)
+    assert op.module._use_factorized(4096, 4096, 128) and op.module._use_factorized(2048, 2048, 128)
+    assert not op.module._use_factorized(1024, 1024, 128) and not op.module._use_factorized(37, 29, 128)
     for stem in ("softmax_attention", "causal_spherical_attention", "signed_l1_attention"):
         assert plan(ncd.load_spec(next(p for p in SPECS if p.stem == stem))).factorization is None

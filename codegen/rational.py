@@ -1,0 +1,135 @@
+"""Code generation for the group-rational family: kernels (templates/rational.py.jinja) followed by the PyTorch
+op (templates/rational_op.py.jinja). Only checked identifiers, numbers and sympy-printed expressions reach the
+text; every spliced expression is parsed and may name only `x`, the coefficients `cK`, temporaries `tK` and `tl`."""
+
+from __future__ import annotations
+
+import ast
+import re
+from typing import Any
+
+from ncd import ir
+from ncd.rational import RationalPlan
+
+from .attention import _environment
+
+_ALLOWED = re.compile(r"^(x|dy|tl|c\d+|t\d+|r\d+)$")
+
+
+class RationalCodegenError(ValueError):
+    """A derived expression that cannot be spliced (a compiler bug, never a user mistake)."""
+
+
+def _check(text: str) -> str:
+    if "\n" in text or "\r" in text:
+        raise RationalCodegenError(f"expression must be one line: {text!r}")
+    tree = ast.parse(text, mode="eval")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not _ALLOWED.match(node.id):
+            raise RationalCodegenError(f"unexpected name {node.id!r} in {text!r}")
+        if isinstance(node, ast.Lambda | ast.NamedExpr | ast.Await | ast.Yield | ast.YieldFrom):
+            raise RationalCodegenError(f"unsupported construct in {text!r}")
+    return text
+
+
+def _statements(pairs: tuple[tuple[str, str], ...]) -> list[dict[str, str]]:
+    out = []
+    for name, text in pairs:
+        if not _ALLOWED.match(name):
+            raise RationalCodegenError(f"bad temporary name {name!r}")
+        out.append({"name": name, "expr": _check(text)})
+    return out
+
+
+def _origins(program: ir.Program, plan: RationalPlan) -> str:
+    """The spec lines the formula comes from: the output's definition and every intermediate it reads."""
+    lets = {d.tensor: d for d in program.definitions}
+    seen: list[str] = []
+    todo = [plan.output]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in lets:
+            continue
+        seen.append(name)
+        todo += [n.tensor for n in ir.walk(lets[name].value) if isinstance(n, ir.Load)]
+    lines = sorted({lets[n].span.line for n in seen})
+    file = program.source.filename.rsplit("/", 1)[-1]
+    return ", ".join(f"{file}:{line}" for line in lines)
+
+
+def render_rational_op(program: ir.Program, plan: RationalPlan, op_id: str) -> str:
+    r = plan.roles
+    d = plan.derivation
+    params = [program.tensor(p.name) for p in plan.params]
+    declared = [t.name for t in program.params]  # the op's positional order: inputs, then params as declared
+    layouts = {p.name: p for p in plan.params}
+    kg, ks = plan.k_group, plan.k_shared
+    param_args: list[dict[str, Any]] = []
+    for i, name in enumerate(declared):
+        layout = layouts[name]
+        strides = [f"s{i}_{j}" for j in range(len(layout.axes))]
+        param_args.append({"name": name, "ptr": f"P{i}", "strides": strides, "layout": layout,
+                           "origin": layout.span.origin, "index": i})
+    by_name = {a["name"]: a for a in param_args}
+    coef_loads = []
+    for k, c in enumerate(plan.coefficients):
+        a = by_name[c.param]
+        layout = a["layout"]
+        terms = [a["ptr"]]
+        rest = iter(c.index)
+        for j in range(len(layout.axes)):
+            if j == layout.group_pos:
+                terms.append(f"g * {a['strides'][j]}")
+            else:
+                i = next(rest)
+                if i:
+                    terms.append(f"{i} * {a['strides'][j]}")
+        coef_loads.append({"name": f"c{k}", "addr": " + ".join(terms), "label": c.label, "origin": a["origin"]})
+    acc = []
+    for k, (c, text, factor) in enumerate(zip(plan.coefficients, d.bwd_dcoef, d.bwd_factor, strict=True)):
+        slot = f"g * {kg} + {k}" if c.per_group else f"G * {kg} + {k - kg}"
+        acc.append({"k": k, "expr": None if text is None else _check(text), "slot": slot, "label": c.label,
+                    "factor": f" * ({_check(factor)})" if factor else ""})
+    grads: list[dict[str, Any]] = []
+    for a in param_args:
+        layout = a["layout"]
+        if layout.group_pos is not None:
+            grads.append({"kind": "group", "lo": layout.first, "hi": layout.first + layout.count,
+                          "rest": list(layout.rest_sizes), "group_pos": layout.group_pos})
+            a["grad"] = grads[-1]
+        else:
+            lo = layout.first - kg
+            grads.append({"kind": "shared", "lo": lo, "hi": lo + layout.count, "rest": list(layout.rest_sizes),
+                          "group_pos": None})
+        a["grad"] = grads[-1]
+    ctx: dict[str, Any] = {
+        "spec_name": program.name, "origin_file": program.source.filename.rsplit("/", 1)[-1], "op_id": op_id,
+        "p": f"_{op_id}", "roles": r, "k_total": len(plan.coefficients), "kg": kg, "ks": ks,
+        "coefficients": plan.coefficients, "coef_loads": coef_loads, "params": param_args,
+        "fwd_prologue": _statements(d.fwd_prologue), "fwd_body": _statements(d.fwd_body),
+        "fwd_out": _check(d.fwd_out), "bwd_prologue": _statements(d.bwd_prologue),
+        "bwd_body": _statements(d.bwd_body), "bwd_dx": _check(d.bwd_dx), "acc": acc,
+        "formula_origin": _origins(program, plan), "formula": str(d.formula),
+        "grads": grads, "finite_at_zero": d.finite_at_zero, "x_origin": program.tensor(r.x).span.origin,
+        "out_origin": program.tensor(r.output).span.origin,
+    }
+    x_axes = program.tensor(r.x).axes
+    out_axes = program.tensor(r.output).axes
+    ctx["x_perm"] = tuple(x_axes.index(a) for a in (r.row, r.chan))
+    ctx["out_perm"] = tuple((r.row, r.chan).index(a) for a in out_axes)
+    ctx["x_transposed"] = ctx["x_perm"] != (0, 1)
+    ctx["out_transposed"] = ctx["out_perm"] != (0, 1)
+    axes_table = {a.name: (a.fixed, a.factors) for a in program.axes}
+    ctx["axes_table"] = repr(axes_table)
+    ctx["ptr_list"] = "".join(f"{a['ptr']}, " for a in param_args)
+    ctx["stride_list"] = "".join(f"{s}, " for a in param_args for s in a["strides"])
+    ctx["tensor_args"] = [{"name": r.x, "axes": repr(x_axes), "origin": ctx["x_origin"]}] + [
+        {"name": t.name, "axes": repr(t.axes), "origin": t.span.origin} for t in
+        (program.tensor(n) for n in declared)]
+    names = {t.name for t in program.tensors}
+    ctx["kw"] = "accumulate" if "accumulate" not in names else "ncd_accumulate"
+    del params
+    env = _environment()
+    text = env.get_template("rational.py.jinja").render(**ctx) + env.get_template("rational_op.py.jinja").render(**ctx)
+    ast.parse(text)
+    return text

@@ -1,0 +1,491 @@
+"""The group-rational kernel family: element-wise activations of one input with learned per-group coefficients.
+
+A spec belongs to this family when its one output is an element-wise function of ONE input tensor
+`x[row chan]` and of parameters read at the group factor of the split axis `chan = group * width` (or at no
+wire at all: coefficients shared by every group) and at finite-sum indices. KAT's group rational activation
+(`specs/kat_rational.ncd`) and the paper form (`specs/group_rational.ncd`) are two such specs, at any degrees
+and group counts.
+
+The pass inlines the spec's intermediates into one scalar sympy formula F(x; c_0, ..., c_{K-1}) by unrolling
+every finite sum (each parameter entry becomes one coefficient symbol), derives dF/dx and every dF/dc_k with
+sympy, and prints them through `ncd.symbolic.triton_expr`. Nothing is typed in by hand. `abs` is
+differentiated with ncd's convention d|u|/du = sign+(u), sign+(0) = +1 (the KAT reference kernels' choice).
+
+Coefficient gradients are reductions over rows x within-group width: dc_k[g] = sum_{r, w} dy * dF/dc_k at
+x[r, g*width + w] (and also over groups for shared coefficients). The kernels accumulate them in registers
+(fp32) over each program's tiles and issue one atomic add per coefficient per program (FlashKAT Algorithm 2),
+or write per-program partials that a second kernel reduces in a fixed order (deterministic mode).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import sympy
+
+from . import ir
+from .errors import NcdError
+from .pipeline import FrontEnd
+from .source import Span
+from .symbolic import SYMPY_FUNCTIONS, AbsPlus, triton_expr
+
+
+class UnsupportedRational(NcdError):
+    code = "unsupported"
+    template = "{detail}"
+
+
+class _NotOurs(Exception):
+    """The spec is not an element-wise function of one input: another family's (or none)."""
+
+
+X = sympy.Symbol("x", real=True)
+
+# Axis sizes the plan is estimated at unless bound: the FlashKAT benchmark, X = [1024 * 197, 768], G = 8.
+DEFAULT_BINDINGS = {"row": 1024 * 197, "chan": 768}
+# The row-program count of the backward grid: at most PROGRAMS_PER_SM * SMs / groups row programs, each
+# looping over its share of row blocks (so every program issues its atomics once, after many tiles).
+PROGRAMS_PER_SM = 32
+REFERENCE_SMS = 132  # H100 / H200, for the plan's atomics count
+
+
+@dataclass(frozen=True)
+class Coefficient:
+    """One scalar coefficient: entry `index` (over the parameter's non-group axes) of parameter `param`."""
+
+    param: str
+    index: tuple[int, ...]
+    per_group: bool
+    symbol: sympy.Symbol
+
+    @property
+    def label(self) -> str:
+        inner = ", ".join(str(i) for i in self.index)
+        if self.per_group:
+            return f"{self.param}[group{', ' if inner else ''}{inner}]"
+        return f"{self.param}[{inner}]" if inner else self.param
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How a parameter's entries map to coefficients: its axes, where the group axis is, the rest's sizes."""
+
+    name: str
+    axes: tuple[str, ...]
+    group_pos: int | None  # position of the group axis, None when shared by every group
+    rest_sizes: tuple[int, ...]  # sizes of the other axes, in order
+    first: int  # index of its first coefficient in the kernel's order
+    span: Span
+
+    @property
+    def count(self) -> int:
+        n = 1
+        for s in self.rest_sizes:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class RationalRoles:
+    x: str
+    output: str
+    row: str
+    chan: str
+    group: str
+    width: str
+    x_axes: tuple[str, ...]
+    out_axes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """The formula and its derivatives, as sympy and as Triton source (with common subexpressions)."""
+
+    formula: sympy.Expr
+    dx: sympy.Expr
+    dcoef: tuple[sympy.Expr, ...]
+    # Triton statements: (name, expression) pairs; prologue ones depend on coefficients only
+    fwd_prologue: tuple[tuple[str, str], ...]
+    fwd_body: tuple[tuple[str, str], ...]
+    fwd_out: str
+    bwd_prologue: tuple[tuple[str, str], ...]
+    bwd_body: tuple[tuple[str, str], ...]
+    bwd_dx: str
+    bwd_dcoef: tuple[str | None, ...]  # None: identically zero
+    # every dF/dc is finite at x = 0 (the value masked-off lanes load) for any coefficients: there dy = 0 already
+    # zeroes the contribution and the accumulators need no select
+    finite_at_zero: bool = False
+    # per coefficient: a factor independent of x applied once after the accumulation (None: 1)
+    bwd_factor: tuple[str | None, ...] = ()
+
+
+class _Inliner:
+    """Builds the scalar sympy formula of the output by inlining intermediates and unrolling finite sums."""
+
+    def __init__(self, program: ir.Program, roles: RationalRoles, params: dict[str, ParamLayout],
+                 coefficients: list[Coefficient]):
+        self.p = program
+        self.roles = roles
+        self.params = params
+        self.coef = {(c.param, c.index): c.symbol for c in coefficients}
+        self.lets = {d.tensor: d for d in program.definitions}
+        self.cache: dict[tuple[str, tuple[tuple[str, int], ...]], sympy.Expr] = {}
+
+    def tensor(self, name: str, bound: dict[str, int]) -> sympy.Expr:
+        key = (name, tuple(sorted(bound.items())))
+        if key not in self.cache:
+            self.cache[key] = self.expr(self.lets[name].value, {}, bound)
+        return self.cache[key]
+
+    def expr(self, node: ir.Node, scope: dict[str, int], bound: dict[str, int]) -> sympy.Expr:
+        if isinstance(node, ir.Const):
+            v = node.value
+            return sympy.Integer(int(v)) if v == int(v) else sympy.Rational(str(v))
+        if isinstance(node, ir.SizeOf):
+            axis = self.p.axis(node.axis)
+            if axis.fixed is None:
+                raise UnsupportedRational(node.span, detail=f"size({node.axis}) is bound at call time; the rational "
+                                          "kernels take numbers known when the spec compiles",
+                                          hint=f"give '{node.axis}' a fixed size or write the number")
+            return sympy.Integer(axis.fixed)
+        if isinstance(node, ir.Var):
+            if node.name not in scope:
+                raise _NotOurs
+            return sympy.Integer(scope[node.name])
+        if isinstance(node, ir.Load):
+            return self.load(node, scope, bound)
+        if isinstance(node, ir.Unary):
+            arg = self.expr(node.arg, scope, bound)
+            if node.fn == "neg":
+                return -arg
+            if node.fn == "abs":
+                return AbsPlus(arg)
+            return SYMPY_FUNCTIONS[node.fn](arg)
+        if isinstance(node, ir.Binary):
+            if node.boolean:
+                raise _NotOurs
+            lhs, rhs = self.expr(node.lhs, scope, bound), self.expr(node.rhs, scope, bound)
+            return {"+": lambda: lhs + rhs, "-": lambda: lhs - rhs, "*": lambda: lhs * rhs,
+                    "/": lambda: lhs / rhs, "max": lambda: sympy.Max(lhs, rhs),
+                    "min": lambda: sympy.Min(lhs, rhs)}[node.op]()
+        if isinstance(node, ir.Pow):
+            exponent = _integer(node.exponent, scope)
+            return self.expr(node.base, scope, bound) ** exponent
+        if isinstance(node, ir.FiniteSum):
+            return sympy.Add(*(self.expr(node.body, {**scope, node.var: i}, bound)
+                               for i in range(node.lo, node.hi + 1)))
+        if isinstance(node, ir.Where):
+            raise UnsupportedRational(node.span, detail="where(...) is not supported by the rational kernels yet",
+                                      hint="write the activation with arithmetic, abs, max/min and the "
+                                      "element-wise functions")
+        raise _NotOurs  # reductions, contractions, normalize, scans, bases, positions: not element-wise
+
+    def load(self, node: ir.Load, scope: dict[str, int], bound: dict[str, int]) -> sympy.Expr:
+        t = self.p.tensor(node.tensor)
+        r = self.roles
+        if t.role == "in":
+            if any(i.axis is None or i.axis in bound for i in node.index) or \
+                    tuple(i.axis for i in node.index) != t.axes:
+                raise UnsupportedRational(node.span, detail=f"the rational kernels read '{t.name}' on its own "
+                                          f"wires [{' '.join(t.axes)}]", hint="drop the index or relabelling")
+            return X
+        if t.role == "let":
+            inner: dict[str, int] = {}
+            for axis, index in zip(t.axes, node.index, strict=True):
+                if index.axis is None:
+                    assert index.index is not None
+                    inner[axis] = _integer(index.index, scope)
+                elif index.axis in bound:
+                    inner[axis] = bound[index.axis]
+                elif index.axis != axis:
+                    raise UnsupportedRational(node.span, detail=f"relabelling '{t.name}' is not supported by the "
+                                              "rational kernels", hint=f"read '{t.name}' on its own wires")
+            return self.tensor(t.name, inner)
+        if t.role != "param":
+            raise _NotOurs
+        layout = self.params[t.name]
+        entry: list[int] = []
+        for pos, (axis, index) in enumerate(zip(t.axes, node.index, strict=True)):
+            if pos == layout.group_pos:
+                if index.axis != r.group:
+                    raise UnsupportedRational(node.span, detail=f"'{t.name}' must be read at the group wire "
+                                              f"'{r.group}' on its axis '{axis}'")
+                continue
+            if index.axis is None:
+                assert index.index is not None
+                entry.append(_integer(index.index, scope))
+            elif index.axis in bound:
+                entry.append(bound[index.axis])
+            else:
+                raise UnsupportedRational(node.span, detail=f"'{t.name}' is read along the wire '{index.axis}'; the "
+                                          f"rational kernels take coefficients per group ('{r.group}', the outer "
+                                          f"factor of '{r.chan}') and at finite-sum indices",
+                                          hint="index the coefficient with a finite-sum variable or a number")
+        return self.coef[(t.name, tuple(entry))]
+
+
+def _integer(expr: sympy.Expr, scope: dict[str, int]) -> int:
+    value = sympy.sympify(expr).subs({sympy.Symbol(k, integer=True): v for k, v in scope.items()})
+    if not value.is_Integer:
+        raise _NotOurs
+    return int(value)
+
+
+def _recognise(program: ir.Program) -> tuple[RationalRoles, dict[str, ParamLayout], list[Coefficient]] | None:
+    if len(program.outputs) != 1 or not program.params:
+        return None
+    inputs = program.inputs
+    if len(inputs) != 1 or len(inputs[0].axes) != 2:
+        return None
+    x, out = inputs[0], program.outputs[0]
+    if set(out.axes) != set(x.axes) or len(out.axes) != 2:
+        return None
+    splits = [a for a in x.axes if program.axis(a).factors]
+    if len(splits) != 1:
+        return None
+    chan = splits[0]
+    row = next(a for a in x.axes if a != chan)
+    factors = program.axis(chan).factors
+    if len(factors) != 2:
+        return None
+    group, width = factors
+    roles = RationalRoles(x.name, out.name, row, chan, group, width, x.axes, out.axes)
+    # parameters: the group wire (or none), and fixed-size axes enumerated as coefficients
+    layouts: dict[str, ParamLayout] = {}
+    grouped: list[tuple[ir.Tensor, tuple[int, ...]]] = []
+    shared: list[tuple[ir.Tensor, tuple[int, ...]]] = []
+    for t in program.params:
+        if any(program.axis(a).factors for a in t.axes) or row in t.axes or width in t.axes:
+            return None  # per-channel or per-row parameters: not a grouped activation
+        rest = [a for a in t.axes if a != group]
+        sizes = []
+        for a in rest:
+            fixed = program.axis(a).fixed
+            if fixed is None:
+                raise UnsupportedRational(t.span, detail=f"coefficient axis '{a}' of '{t.name}' needs a fixed size",
+                                          hint=f"declare `axis {a} = N`")
+            sizes.append(fixed)
+        (grouped if group in t.axes else shared).append((t, tuple(sizes)))
+    coefficients: list[Coefficient] = []
+    for t, rest_sizes in [*grouped, *shared]:
+        group_pos = t.axes.index(group) if group in t.axes else None
+        layouts[t.name] = ParamLayout(t.name, t.axes, group_pos, rest_sizes, len(coefficients), t.span)
+        for index in itertools.product(*(range(s) for s in rest_sizes)):
+            coefficients.append(Coefficient(t.name, index, group_pos is not None,
+                                            sympy.Symbol(f"c{len(coefficients)}", real=True)))
+    return roles, layouts, coefficients
+
+
+def _cse_lines(exprs: list[sympy.Expr], coefficient_names: set[str]) -> tuple[
+        list[tuple[str, str]], list[tuple[str, str]], list[str]]:
+    """Common subexpressions as Triton statements, split into coefficient-only (prologue) and per-element.
+
+    Negative powers u**-k become r**k with one reciprocal r = 1 / u per base: one division per element, not
+    one per quotient (the denominators of F, dF/dx and every dF/dc are powers of the same Q)."""
+    recips: dict[sympy.Expr, sympy.Symbol] = {}
+
+    def negative_power(e: sympy.Expr) -> bool:
+        return bool(e.is_Pow and e.exp.is_Integer and e.exp < 0)
+
+    def swap(e: sympy.Expr) -> sympy.Expr:
+        if e.base not in recips:
+            recips[e.base] = sympy.Symbol(f"r{len(recips)}", real=True)
+        return recips[e.base] ** (-e.exp)
+
+    rewritten = [e.replace(negative_power, swap) for e in exprs]
+    bases = list(recips)
+    temps, reduced = sympy.cse([*bases, *rewritten], symbols=sympy.numbered_symbols("t"), order="none")
+    statements: dict[str, sympy.Expr] = {sym.name: value for sym, value in temps}
+    for base, reduced_base in zip(bases, reduced[: len(bases)], strict=True):
+        statements[recips[base].name] = 1 / reduced_base  # printed as (1.0 / (...))
+    ordered: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in ordered:
+            return
+        for dep in sorted(s.name for s in statements[name].free_symbols if s.name in statements):
+            visit(dep)
+        ordered.append(name)
+
+    for name in statements:
+        visit(name)
+    prologue: list[tuple[str, str]] = []
+    body: list[tuple[str, str]] = []
+    per_element = {"x", "dy"}
+    for name in ordered:
+        value = statements[name]
+        names = {s.name for s in value.free_symbols}
+        text = triton_expr(value)
+        if names & per_element:
+            per_element.add(name)
+            body.append((name, text))
+        else:
+            assert names <= coefficient_names | {n for n, _ in prologue}
+            prologue.append((name, text))
+    return prologue, body, [triton_expr(e) for e in reduced[len(bases):]]
+
+
+DY = sympy.Symbol("dy", real=True)
+
+
+def derive(formula: sympy.Expr, coefficients: list[Coefficient], span: Span) -> Derivation:
+    """F, dF/dx and dF/dc by sympy; the backward's statements multiply by the upstream gradient `dy` before
+    common subexpressions are shared (so dy * r0 etc. are computed once), and each dF/dc's factor that does not
+    depend on x (e.g. -sign+(b_j)) is pulled out of the accumulation and applied once per program."""
+    def clean(e: sympy.Expr) -> sympy.Expr:
+        return sympy.sympify(e).replace(sympy.DiracDelta, lambda *_: sympy.Integer(0))
+
+    formula = clean(formula)
+    dx = clean(sympy.diff(formula, X))
+    dcoef = tuple(clean(sympy.diff(formula, c.symbol)) for c in coefficients)
+    names = {c.symbol.name for c in coefficients}
+    split = [d.as_independent(X, as_Add=False) if d != 0 else (sympy.Integer(0), sympy.Integer(0)) for d in dcoef]
+    try:
+        fp, fb, (fout,) = _cse_lines([formula], names)
+        nonzero = [DY * rest for (_, rest), d in zip(split, dcoef, strict=True) if d != 0]
+        bp, bb, printed = _cse_lines([DY * dx, *nonzero], names)
+        factors = tuple(None if d == 0 or factor == 1 else triton_expr(factor)
+                        for (factor, _), d in zip(split, dcoef, strict=True))
+    except ValueError as err:
+        raise UnsupportedRational(span, detail=f"cannot lower the activation to Triton: {err}") from None
+    it = iter(printed[1:])
+    bwd_dcoef = tuple(None if d == 0 else next(it) for d in dcoef)
+    bad = (sympy.zoo, sympy.oo, -sympy.oo, sympy.nan)
+    finite = all(not sympy.sympify(d).subs(X, 0).has(*bad) for d in dcoef)
+    return Derivation(formula, dx, dcoef, tuple(fp), tuple(fb), fout, tuple(bp), tuple(bb), printed[0], bwd_dcoef,
+                      finite, factors)
+
+
+@dataclass(frozen=True)
+class RationalPlan:
+    family = "rational"
+    roles: RationalRoles
+    params: tuple[ParamLayout, ...]
+    coefficients: tuple[Coefficient, ...]
+    derivation: Derivation
+    bindings: dict[str, int]
+    out_span: Span
+    origin_file: str = field(default="")
+
+    @property
+    def output(self) -> str:
+        return self.roles.output
+
+    @property
+    def k_group(self) -> int:
+        return sum(1 for c in self.coefficients if c.per_group)
+
+    @property
+    def k_shared(self) -> int:
+        return sum(1 for c in self.coefficients if not c.per_group)
+
+    def describe(self) -> list[str]:
+        r, d = self.roles, self.derivation
+        k = len(self.coefficients)
+        grouped = [c.label for c in self.coefficients if c.per_group]
+        shared = [c.label for c in self.coefficients if not c.per_group]
+        lines = [
+            "kernel family: group-wise rational activation (element-wise in one input, coefficients per group)",
+            f"  x = {r.x}[{' '.join(r.x_axes)}], {r.chan} = {r.group} * {r.width} (group of channel c = "
+            f"c // size({r.width})) -> {r.output}[{' '.join(r.out_axes)}]",
+            f"  coefficients: K = {k}; per group ({len(grouped)}): {', '.join(grouped) or '-'}; "
+            f"shared by all groups ({len(shared)}): {', '.join(shared) or '-'}",
+            "  symbols: " + ", ".join(f"{c.symbol} = {c.label}" for c in self.coefficients),
+            f"  F(x) = {sympy.sstr(d.formula)}",
+            "  convention: d|u|/du = sign+(u) with sign+(0) = +1 (KAT reference kernels; docs/language.md §22)",
+            f"  dF/dx = {sympy.sstr(d.dx)}",
+        ]
+        for c, dc in zip(self.coefficients, d.dcoef, strict=True):
+            lines.append(f"  dF/d{c.symbol} = {sympy.sstr(dc)}")
+        lines.append("  triton forward (one pass over x; coefficients loaded once per program, per group):")
+        lines += [f"    {n} = {e}" for n, e in d.fwd_prologue]
+        lines += [f"    {n} = {e}" for n, e in d.fwd_body]
+        lines.append(f"    y = {d.fwd_out}")
+        lines.append("  triton backward (x recomputed; y is not saved):")
+        lines += [f"    {n} = {e}" for n, e in (*d.bwd_prologue, *d.bwd_body)]
+        lines.append(f"    dx = {d.bwd_dx}")
+        for c, e, f in zip(self.coefficients, d.bwd_dcoef, d.bwd_factor, strict=True):
+            if e is None:
+                lines.append(f"    d{c.symbol}: identically 0")
+            else:
+                lines.append(f"    d{c.symbol} = {f + ' * ' if f else ''}sum({e})")
+        rows = self.bindings[r.row]
+        width = self.bindings[r.width]
+        groups = self.bindings[r.group]
+        row_programs = min(-(-rows // 16), max(1, PROGRAMS_PER_SM * REFERENCE_SMS // groups))
+        programs = row_programs * groups
+        atomics = programs * (self.k_group + self.k_shared)
+        naive = rows * width * groups * k
+        lines += [
+            "accumulator pass: the coefficient gradients are reductions over "
+            f"{r.row} x {r.width} (per group; shared coefficients also over {r.group}):",
+            f"  d{{c}}[g] = sum over {r.row}, {r.width} of dy * dF/dc at x[{r.row}, g * size({r.width}) + {r.width}]",
+            "  grid: (row programs, groups); each program loops over its row blocks x the group's width in "
+            "[BLOCK_R, BLOCK_W] tiles, accumulating every dF/dc in fp32 registers",
+            "  mode 'atomic' (default): one tl.atomic_add per coefficient per program (FlashKAT Algorithm 2); "
+            "no per-element atomics",
+            "  mode 'deterministic': per-program partials [programs, groups, K] (fp32), then a reduce kernel in a "
+            "fixed order: bitwise reproducible",
+            "  chosen per call: op(..., accumulate='atomic' | 'deterministic')",
+            f"at {' '.join(f'{a}={v}' for a, v in self.bindings.items())} ({REFERENCE_SMS} SMs): "
+            f"{row_programs} row programs x {groups} groups = {programs} programs",
+            f"  atomics: {programs} programs x {k} coefficients = {atomics} "
+            f"(per-element atomics, KAT Algorithm 1: {naive:,})",
+            f"  deterministic partials: {programs * k * 4 / 1e6:.2f} MB; compulsory bytes forward "
+            f"{rows * width * groups * 8 / 1e9:.2f} GB (fp32 x read, y written), backward "
+            f"{rows * width * groups * 12 / 1e9:.2f} GB (x, dy read, dx written)",
+        ]
+        return lines
+
+    def render(self, program: ir.Program, op_id: str) -> str:
+        from .codegen.rational import render_rational_op
+
+        return render_rational_op(program, self, op_id)
+
+    def constant_inputs(self) -> frozenset[str]:
+        return frozenset()
+
+    def validation_sizes(self, program: ir.Program) -> dict[str, int]:
+        """Odd sizes: 111 rows, width 5 (40 channels at 8 groups), 3 groups where the count is free."""
+        r = self.roles
+        sizes = {r.row: 111}
+        group = program.axis(r.group).fixed or 3
+        width = program.axis(r.width).fixed or 5
+        sizes.update({r.group: group, r.width: width, r.chan: group * width})
+        for axis in program.axes:
+            if axis.fixed is not None:
+                sizes[axis.name] = axis.fixed
+            sizes.setdefault(axis.name, 7)
+        return sizes
+
+
+def plan_rational(front: FrontEnd, bindings: dict[str, int]) -> RationalPlan | None:
+    """The rational family claims specs whose one output is element-wise in one input with grouped coefficients."""
+    program = front.program
+    found = _recognise(program)
+    if found is None:
+        return None
+    roles, layouts, coefficients = found
+    out_def = next(d for d in program.definitions if d.tensor == roles.output)
+    try:
+        formula = _Inliner(program, roles, layouts, coefficients).tensor(roles.output, {})
+    except _NotOurs:
+        return None
+    if X not in formula.free_symbols:
+        return None
+    derivation = derive(formula, coefficients, out_def.span)
+    sizes: dict[str, int] = {}
+    for axis in program.axes:
+        if axis.fixed is not None:
+            sizes[axis.name] = axis.fixed
+    given = {**{roles.row: DEFAULT_BINDINGS["row"]}, **bindings}
+    sizes.update({k: v for k, v in given.items() if k in {a.name for a in program.axes}})
+    chan = sizes.get(roles.chan) or bindings.get(roles.chan) or DEFAULT_BINDINGS["chan"]
+    if roles.group not in sizes:
+        sizes[roles.group] = max(1, chan // sizes[roles.width]) if roles.width in sizes else 8
+    if roles.width not in sizes:
+        sizes[roles.width] = max(1, chan // sizes[roles.group])
+    shown = {roles.row: sizes[roles.row], roles.group: sizes[roles.group], roles.width: sizes[roles.width]}
+    return RationalPlan(roles, tuple(layouts.values()), tuple(coefficients), derivation, shown,
+                        out_def.span, program.source.filename.rsplit("/", 1)[-1])

@@ -1,0 +1,235 @@
+"""The polynomial-KAN family on the CPU, through Triton's interpreter.
+
+References are float64 eager PyTorch written here from the textbook recurrences (independent of the spec's IR
+and of ncd's reference evaluator), with autograd. Fresh random inputs at odd sizes; outputs and split-K partial
+buffers poisoned with NaN (the generated modules' POISON_OUTPUTS). Errors are ||out - ref|| / ||ref||.
+
+Tolerances: 1e-4 for every quantity. The tables are sized for a basis max relative error of 2.5e-5 (values
+and derivatives, normalised by max |P_d|); the norm-wise errors measured here are 1e-5 .. 3e-5. The exact
+recurrence mode is near fp32 rounding (1e-7 .. 2e-6).
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+import torch
+
+import ncd
+from ncd.backend import find_plan, op_id
+from ncd.basis_lut import Recurrence, choose_table
+from ncd.errors import NcdError, SizeMismatch, UnknownAxis
+from ncd.pipeline import front_end, load_spec
+from ncd.polykan import SPEC_FILES, SPECS, ChebyKANLayer, PolyKANLayer, UnsupportedPolyKAN, plan_polykan
+from ncd.validate import validate
+
+from .conftest import ROOT
+
+TOL = 1e-4
+BASES = ("chebyshev", "legendre", "hermite")
+
+
+def basis_ref(u: torch.Tensor, degree: int, basis: str) -> torch.Tensor:
+    terms = [torch.ones_like(u), 2 * u if basis == "hermite" else u]
+    for n in range(1, degree):
+        if basis == "chebyshev":
+            terms.append(2 * u * terms[-1] - terms[-2])
+        elif basis == "legendre":
+            terms.append(((2 * n + 1) * u * terms[-1] - n * terms[-2]) / (n + 1))
+        else:
+            terms.append(2 * u * terms[-1] - 2 * n * terms[-2])
+    return torch.stack(terms[: degree + 1], dim=-1)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    assert not torch.isnan(a).any()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(autouse=True)
+def _cache(op_cache, monkeypatch):
+    monkeypatch.setenv("NCD_CACHE_DIR", str(op_cache))
+
+
+def _poisoned(op):
+    op.module.POISON_OUTPUTS = True
+    return op
+
+
+def _check_layer(basis: str, degree: int, basis_eval: str, sizes=(23, 37, 19), scale: float = 1.5) -> None:
+    b, i, o = sizes
+    op = _poisoned(ncd.polykan.basis_op(basis, degree, basis_eval))
+    x = (torch.randn(b, i, dtype=torch.float64) * scale)
+    c = torch.randn(i, o, degree + 1, dtype=torch.float64) / (i * (degree + 1)) ** 0.5
+    xf, cf = x.float().requires_grad_(True), c.float().requires_grad_(True)
+    y = op(xf, cf)
+    gy = torch.randn_like(y)
+    dx, dc = torch.autograd.grad(y, [xf, cf], gy)
+    xd, cd = x.clone().requires_grad_(True), c.clone().requires_grad_(True)
+    yr = torch.einsum("bid,iod->bo", basis_ref(torch.tanh(xd), degree, basis), cd)
+    dxr, dcr = torch.autograd.grad(yr, [xd, cd], gy.double())
+    errors = {"y": rel(y, yr), "dx": rel(dx, dxr), "dC": rel(dc, dcr)}
+    assert all(e < TOL for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("basis", BASES)
+@pytest.mark.parametrize("degree", [3, 8, 24])
+def test_lut_forward_and_gradients(basis, degree):
+    _check_layer(basis, degree, "lut")
+
+
+@pytest.mark.parametrize(("basis", "degree"), [("chebyshev", 8), ("legendre", 3), ("hermite", 24)])
+def test_recurrence_mode(basis, degree):
+    _check_layer(basis, degree, "recurrence", sizes=(19, 21, 17))
+
+
+@pytest.mark.parametrize("basis_eval", ["lut", "recurrence"])
+def test_saturated_inputs_give_finite_gradients(basis_eval):
+    op = _poisoned(ncd.polykan.basis_op("chebyshev", 8, basis_eval))
+    x = torch.where(torch.rand(9, 13) < 0.5, -1.0, 1.0) * (10 + 20 * torch.rand(9, 13))
+    x[0, 0] = 1e30
+    x.requires_grad_(True)
+    c = torch.randn(13, 11, 9, requires_grad=True)
+    y = op(x, c)
+    dx, dc = torch.autograd.grad(y, [x, c], torch.randn_like(y))
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all() and torch.isfinite(dc).all()
+    # at u = +-1 the basis is exact: T_d(1) = 1, T_d(-1) = (-1)^d
+    signs = torch.sign(x.detach())
+    phi = torch.stack([signs ** d for d in range(9)], dim=-1)
+    assert rel(y, torch.einsum("bid,iod->bo", phi.double(), c.detach().double())) < TOL
+
+
+@pytest.mark.parametrize("path", [ROOT / "specs" / f for f in SPEC_FILES.values()], ids=lambda p: p.name)
+def test_validate_rows_for_shipped_specs(path):
+    rows = validate(_poisoned(ncd.load(path)))
+    assert [r.quantity for r in rows] == ["y", "dx", "dC"]
+    assert all(r.ok for r in rows), rows
+
+
+def test_shipped_spec_text_matches_the_modules():
+    for basis, name in SPEC_FILES.items():
+        assert (ROOT / "specs" / name).read_text(encoding="utf-8") == SPECS[basis]
+
+
+def test_plan_states_table_and_error():
+    plan = find_plan(load_spec(ROOT / "specs" / "cheby_kan.ncd"))
+    text = "\n".join(plan.describe())
+    assert plan.family == "polykan" and plan.basis_eval == "lut"
+    assert "t = theta = acos(u)" in text and "measured basis max relative error" in text
+    table = plan.table
+    assert table.param.name.startswith("theta") and table.error <= table.budget and table.derror <= table.budget
+    assert f"{table.entries} entries" in text
+    # the theta table is measured smaller than the u table (the choice is by measurement)
+    needed = dict(plan.choice.needed)
+    assert needed["theta = acos(u)"] < needed["u"]
+    assert "kernel [deg inp outp]" in text and "split" in text
+
+
+def test_table_error_budget_degree_24():
+    """The requirement: basis max relative error <= 1e-4 up to degree 24 in fp32, values and derivatives."""
+    for basis in BASES:
+        program = front_end(SPECS[basis], "x.ncd", sizes={"deg": 25}).program
+        choice = choose_table(Recurrence.from_ir(program.bases[0]), 25, -1.0, 1.0, 1e-4)
+        assert choice.table is not None and choice.table.error <= 1e-4 and choice.table.derror <= 1e-4
+
+
+def test_derivative_recurrence_is_derived():
+    rec = Recurrence.from_ir(front_end(SPECS["hermite"], "x.ncd").program.bases[0])
+    import numpy as np
+
+    u = np.linspace(-1, 1, 11)
+    values, derivs = rec.evaluate(u, 6)
+    # H_n' = 2 n H_{n-1}
+    for n in range(1, 6):
+        assert np.allclose(derivs[:, n], 2 * n * values[:, n - 1])
+
+
+def test_generated_module_origins_and_flags():
+    op = ncd.polykan.basis_op("legendre", 8)
+    text = op.path.read_text()
+    ast.parse(text)
+    assert "# legendre_kan.ncd:" in text and "POISON_OUTPUTS = False" in text
+    assert "acos" not in text.split("def _darg", 1)[1].split("return", 1)[1].split("\n", 1)[0]
+
+
+def test_size_override_and_cache_key():
+    path = ROOT / "specs" / "cheby_kan.ncd"
+    a, b = load_spec(path), load_spec(path, sizes={"deg": 4})
+    assert b.program.axis("deg").fixed == 4 and a.program.axis("deg").fixed == 9
+    assert op_id(a) != op_id(b) != op_id(load_spec(path, options={"basis_eval": "recurrence"}))
+    with pytest.raises(UnknownAxis):
+        load_spec(path, sizes={"degree": 4})
+    with pytest.raises(SizeMismatch):
+        load_spec(path, sizes={"batch": 4})
+    with pytest.raises(SizeMismatch):
+        load_spec(path, sizes={"deg": 0})
+    with pytest.raises(UnsupportedPolyKAN):
+        plan_polykan(load_spec(path, options={"basis_eval": "magic"}), {})
+    op = ncd.load(path, sizes={"deg": 4})
+    with pytest.raises(NcdError):  # call-time check names the axis
+        op(torch.randn(3, 5), torch.randn(5, 2, 9))
+
+
+def test_recognised_but_unsupported_is_located():
+    text = SPECS["chebyshev"].replace("T[deg](tanh(x))", "T[deg](tanh(x) * x[batch inp])").replace(
+        "in    x[batch inp] : f32", "in    x[batch inp] : f32\nin    z[batch inp] : f32").replace(
+        "tanh(x) * x[batch inp]", "tanh(x) * z")
+    with pytest.raises(UnsupportedPolyKAN) as err:
+        find_plan(front_end(text, "bad.ncd"))
+    assert err.value.span is not None
+
+
+def test_unbounded_argument_falls_back_to_recurrence():
+    text = SPECS["legendre"].replace("P[deg](tanh(x))", "P[deg](x)")
+    plan = find_plan(front_end(text, "free.ncd", sizes={"deg": 4}))
+    assert plan.basis_eval == "recurrence" and "unbounded" in "\n".join(plan.describe())
+
+
+def test_chebykan_layer_is_a_drop_in():
+    class Reference(torch.nn.Module):  # ChebyKAN's layer, verbatim in substance
+        def __init__(self, input_dim, output_dim, degree):
+            super().__init__()
+            self.inputdim, self.outdim, self.degree = input_dim, output_dim, degree
+            self.cheby_coeffs = torch.nn.Parameter(torch.empty(input_dim, output_dim, degree + 1))
+            torch.nn.init.normal_(self.cheby_coeffs, mean=0.0, std=1 / (input_dim * (degree + 1)))
+            self.register_buffer("arange", torch.arange(0, degree + 1, 1))
+
+        def forward(self, x):
+            x = torch.tanh(torch.reshape(x, (-1, self.inputdim)))
+            x = x.view((-1, self.inputdim, 1)).expand(-1, -1, self.degree + 1).acos() * self.arange
+            return torch.einsum("bid,iod->bo", x.cos(), self.cheby_coeffs).view(-1, self.outdim)
+
+    ref = Reference(7, 5, 3)
+    for layout in ("kernel", "spec"):
+        layer = _poisoned_layer(ChebyKANLayer(7, 5, 3, layout=layout))
+        assert {k: v.shape for k, v in layer.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+        layer.load_state_dict(ref.state_dict())
+        x = torch.randn(2, 3, 7, requires_grad=True)  # leading dims flattened, as ChebyKAN does
+        assert rel(layer(x), ref(x)) < TOL
+        ref.load_state_dict(layer.state_dict())
+        # a training step keeps the layout (the optimizer state and the gradient follow the parameter's strides)
+        opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+        layer(x).square().sum().backward()
+        opt.step()
+        assert layer.cheby_coeffs.grad.stride() == layer.cheby_coeffs.stride()
+    kernel = ChebyKANLayer(7, 5, 3)
+    assert kernel.cheby_coeffs.permute(2, 0, 1).is_contiguous()  # stored in the kernel layout
+    std = ChebyKANLayer(200, 300, 4).cheby_coeffs.std().item()
+    assert abs(std - 1 / (200 * 5)) < 0.05 / (200 * 5)
+
+
+def _poisoned_layer(layer):
+    _poisoned(layer._op)
+    return layer
+
+
+def test_polykan_layer_bases():
+    for basis in BASES:
+        layer = _poisoned_layer(PolyKANLayer(6, 4, 5, basis=basis))
+        x = torch.randn(3, 6, dtype=torch.float64)
+        ref = torch.einsum("bid,iod->bo", basis_ref(torch.tanh(x), 5, basis), layer.coeffs.detach().double())
+        assert rel(layer(x.float()), ref) < TOL
+    with pytest.raises(ValueError):
+        PolyKANLayer(6, 4, 5, basis="bessel")
