@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 # No GPU on CI: generated kernels run in Triton's CPU interpreter, which must be chosen before import.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Generated modules from CLI runs go to a throw-away cache, not the user's ~/.cache/ncd.
+os.environ.setdefault("NCD_CACHE_DIR", tempfile.mkdtemp(prefix="ncd-test-cache-"))
 
 import pytest
 
