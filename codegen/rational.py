@@ -9,11 +9,11 @@ import re
 from typing import Any
 
 from ncd import ir
-from ncd.rational import RationalPlan
+from ncd.rational import BWD_WARPS, RationalPlan, backward_registers, backward_resident
 
 from .attention import _environment
 
-_ALLOWED = re.compile(r"^(x|dy|tl|c\d+|t\d+|r\d+)$")
+_ALLOWED = re.compile(r"^(x|dy|tl|_rcp|c\d+|t\d+|r\d+)$")
 
 
 class RationalCodegenError(ValueError):
@@ -112,6 +112,8 @@ def render_rational_op(program: ir.Program, plan: RationalPlan, op_id: str) -> s
         "formula_origin": _origins(program, plan), "formula": str(d.formula),
         "grads": grads, "finite_at_zero": d.finite_at_zero, "x_origin": program.tensor(r.x).span.origin,
         "out_origin": program.tensor(r.output).span.origin,
+        "bwd_warps": BWD_WARPS, "bwd_registers": backward_registers(len(plan.coefficients)),
+        "bwd_resident": backward_resident(len(plan.coefficients)),
     }
     x_axes = program.tensor(r.x).axes
     out_axes = program.tensor(r.output).axes

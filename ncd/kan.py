@@ -4,6 +4,16 @@ loading its state_dict unchanged) and `GroupRational` (any degrees, group count 
 Each module writes the spec of its activation (the same text as `specs/kat_rational.ncd` /
 `specs/group_rational.ncd`, with its own degrees and group count), compiles it with `ncd.load` (cached by
 content) and calls the generated op: the kernels and their gradients come from the spec, not from this file.
+
+Autocast: compute is always fp32 (coefficients and coefficient gradients too). By default the upcast happens in
+registers: under autocast a bf16 / fp16 input stays in its dtype in memory, the kernels read it, compute in fp32
+and write the output (and dx) in the input's dtype. This computes the same values as KAT's in-memory upcast
+wherever the next op is an autocast op (a Linear rounds KAT's fp32 output to bf16 exactly as our store does,
+and casts the gradient back the same way; the coefficient gradients differ only in summation order) and moves
+half the bytes: the MLP block Linear -> KATGroup -> Linear
+runs within 1.25x of the same block with GELU under bf16 autocast (BENCHMARKS.md, "Group rational (KAT)").
+`upcast_under_autocast=True` keeps KAT's exact semantics instead: the input is cast to fp32 in memory and the
+output is fp32.
 """
 
 from __future__ import annotations
@@ -85,14 +95,15 @@ class GroupRational(nn.Module):
 
     Parameters: `weight_numerator` [1, m + 1] when shared by the groups (KAT), else [G, m + 1];
     `weight_denominator` [G, n]. `accumulate` ("atomic" or "deterministic", None: the op's default) selects how
-    the coefficient gradients are accumulated. Compute is fp32; under autocast the input is upcast to fp32 (as
-    KAT does), unless `upcast_under_autocast=False`: then a bf16 input stays bf16 in memory (read and written as
-    bf16, computed in fp32), which saves the two casts and half the activation's bytes.
+    the coefficient gradients are accumulated. Compute is fp32. Under autocast (default,
+    `upcast_under_autocast=False`) a bf16 input is upcast in registers: it stays bf16 in memory (read and written
+    as bf16, computed in fp32) and the output has the input's dtype, which saves two casts and half the
+    activation's bytes; `upcast_under_autocast=True` casts the input to fp32 in memory as KAT does (fp32 output).
     """
 
     def __init__(self, num_groups: int = 8, num_degree: int = 5, den_degree: int = 4, form: str = "kat",
                  shared_numerator: bool = True, accumulate: str | None = None,
-                 cache_dir: str | Path | None = None, upcast_under_autocast: bool = True) -> None:
+                 cache_dir: str | Path | None = None, upcast_under_autocast: bool = False) -> None:
         super().__init__()
         self.upcast_under_autocast = upcast_under_autocast
         self.num_groups = num_groups
@@ -115,7 +126,7 @@ class GroupRational(nn.Module):
         a = self.weight_numerator.view(-1) if self.shared_numerator else self.weight_numerator
         if self.upcast_under_autocast:
             y = self.op(x2, a, self.weight_denominator, accumulate=self.accumulate)
-        else:  # keep the input's storage dtype under autocast (compute is fp32 either way)
+        else:  # upcast in registers: keep the input's storage dtype under autocast (compute is fp32 either way)
             with torch.autocast(x.device.type, enabled=False):
                 y = self.op(x2, a, self.weight_denominator, accumulate=self.accumulate)
         return y.view(*shape[:-1], shape[-1])
@@ -127,10 +138,12 @@ class GroupRational(nn.Module):
 class KATGroup(GroupRational):
     """Drop-in for KAT's `KAT_Group(num_groups=8, mode="swish")`: version-A rational of orders (5, 4), one
     numerator row shared by the groups (`weight_numerator [1, 6]`), `weight_denominator [G, 4]`; a KAT
-    state_dict loads unchanged. Modes: "identity", "swish", "gelu" (see `GELU_PRESET`)."""
+    state_dict loads unchanged. Modes: "identity", "swish", "gelu" (see `GELU_PRESET`). Under autocast the
+    input is upcast in registers by default (output in the input's dtype); `upcast_under_autocast=True` upcasts
+    in memory and returns fp32, as KAT_Group does (see the module docstring)."""
 
     def __init__(self, num_groups: int = 8, mode: str = "swish", accumulate: str | None = None,
-                 cache_dir: str | Path | None = None, upcast_under_autocast: bool = True) -> None:
+                 cache_dir: str | Path | None = None, upcast_under_autocast: bool = False) -> None:
         super().__init__(num_groups, 5, 4, "kat", True, accumulate, cache_dir, upcast_under_autocast)
         presets = {**PRESETS, "gelu": GELU_PRESET}
         if mode not in presets:

@@ -8,13 +8,16 @@ and group counts.
 
 The pass inlines the spec's intermediates into one scalar sympy formula F(x; c_0, ..., c_{K-1}) by unrolling
 every finite sum (each parameter entry becomes one coefficient symbol), derives dF/dx and every dF/dc_k with
-sympy, and prints them through `ncd.symbolic.triton_expr`. Nothing is typed in by hand. `abs` is
+sympy, and prints them through `ncd.symbolic.triton_expr`: the forward by common subexpressions (`_cse_lines`),
+the backward by `_Lowering`, which writes few instructions per element (hoisted coefficient factors, shared
+power chains, one reciprocal, shared product prefixes). Nothing is typed in by hand. `abs` is
 differentiated with ncd's convention d|u|/du = sign+(u), sign+(0) = +1 (the KAT reference kernels' choice).
 
 Coefficient gradients are reductions over rows x within-group width: dc_k[g] = sum_{r, w} dy * dF/dc_k at
 x[r, g*width + w] (and also over groups for shared coefficients). The kernels accumulate them in registers
 (fp32) over each program's tiles and issue one atomic add per coefficient per program (FlashKAT Algorithm 2),
-or write per-program partials that a second kernel reduces in a fixed order (deterministic mode).
+or write per-program partials that a second kernel reduces in a fixed order (deterministic mode). The backward
+grid is one wave of persistent programs under a register cap (`backward_registers`, `backward_resident`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from . import ir
 from .errors import NcdError
 from .pipeline import FrontEnd
 from .source import Span
-from .symbolic import SYMPY_FUNCTIONS, AbsPlus, triton_expr
+from .symbolic import SYMPY_FUNCTIONS, AbsPlus, SignPlus, triton_expr
 
 
 class UnsupportedRational(NcdError):
@@ -44,10 +47,21 @@ X = sympy.Symbol("x", real=True)
 
 # Axis sizes the plan is estimated at unless bound: the FlashKAT benchmark, X = [1024 * 197, 768], G = 8.
 DEFAULT_BINDINGS = {"row": 1024 * 197, "chan": 768}
-# The row-program count of the backward grid: at most PROGRAMS_PER_SM * SMs / groups row programs, each
-# looping over its share of row blocks (so every program issues its atomics once, after many tiles).
-PROGRAMS_PER_SM = 32
 REFERENCE_SMS = 132  # H100 / H200, for the plan's atomics count
+BWD_WARPS = 4  # the backward's programs: 4 warps, about 4 elements per thread per tile
+
+
+def backward_registers(k: int) -> int:
+    """The backward's register cap: K fp32 accumulators for each of a thread's 4 elements plus about 32 (x, dy,
+    their prefetch, the coefficients). At K = 10 this is 72 (ptxas: 71, no spills; uncapped it takes 96)."""
+    return max(64, min(255, -(-(4 * k + 32) // 8) * 8))
+
+
+def backward_resident(k: int) -> int:
+    """Backward programs resident per SM under the register cap (65536 registers, at most 16 programs). The
+    grid is exactly this many programs per SM, each persistent over its share of the tiles: one wave, so no
+    partly filled last wave, and every program issues its atomics once, after many tiles."""
+    return max(1, min(16, 65536 // (backward_registers(k) * 32 * BWD_WARPS)))
 
 
 @dataclass(frozen=True)
@@ -279,7 +293,8 @@ def _recognise(program: ir.Program) -> tuple[RationalRoles, dict[str, ParamLayou
 
 def _cse_lines(exprs: list[sympy.Expr], coefficient_names: set[str]) -> tuple[
         list[tuple[str, str]], list[tuple[str, str]], list[str]]:
-    """Common subexpressions as Triton statements, split into coefficient-only (prologue) and per-element.
+    """Common subexpressions as Triton statements, split into coefficient-only (prologue) and per-element (the
+    forward's statements: it is bound by memory, and this form measured 86% of copy bandwidth on an H200).
 
     Negative powers u**-k become r**k with one reciprocal r = 1 / u per base: one division per element, not
     one per quotient (the denominators of F, dF/dx and every dF/dc are powers of the same Q)."""
@@ -326,12 +341,235 @@ def _cse_lines(exprs: list[sympy.Expr], coefficient_names: set[str]) -> tuple[
     return prologue, body, [triton_expr(e) for e in reduced[len(bases):]]
 
 
+def _canonical(e: sympy.Expr) -> sympy.Expr:
+    """Exact identities of ncd's abs and sign+, applied bottom-up: |u|^2 = u^2, sign+(u)^2 = 1,
+    sign+(u) |u| = u. They turn products such as |x|^3 sign+(x) into x^3 (so powers of x are shared)."""
+    if not e.args:
+        return e
+    e = e.func(*(_canonical(a) for a in e.args))
+    if not (e.is_Mul or e.is_Pow):
+        return e
+    powers: dict[sympy.Expr, sympy.Expr] = {}
+    for factor in sympy.Mul.make_args(e):
+        base, exp = factor.as_base_exp()
+        powers[base] = powers.get(base, sympy.Integer(0)) + exp
+    changed = False
+    for base in list(powers):
+        exp = powers.get(base)
+        if exp is None or not exp.is_Integer:
+            continue
+        if isinstance(base, SignPlus) and (exp >= 2 or exp < 0):
+            powers[base] = exp % 2
+            changed = True
+        elif isinstance(base, AbsPlus) and exp >= 2:
+            u = base.args[0]
+            powers[base] = exp % 2
+            powers[u] = powers.get(u, sympy.Integer(0)) + exp - exp % 2
+            changed = True
+    for base in list(powers):
+        if isinstance(base, AbsPlus) and powers[base] == 1:
+            sign = SignPlus(base.args[0])
+            if powers.get(sign) == 1:
+                u = base.args[0]
+                powers[base] = powers[sign] = sympy.Integer(0)
+                powers[u] = powers.get(u, sympy.Integer(0)) + 1
+                changed = True
+    if not changed:
+        return e
+    return sympy.Mul(*(b ** p for b, p in powers.items()))
+
+
+class _Lowering:
+    """Per-element Triton statements for expressions in the per-element symbols (x, dy), written so that the
+    arithmetic per element is small, for any spec of the family (nothing here knows the activation):
+
+    - every factor or coefficient of a term that depends only on coefficients is hoisted into the prologue
+      (once per program), so a sum `k0 + k1 m1 + k2 m2 + ...` of per-element monomials m is one fused
+      multiply-add per term;
+    - powers of a per-element value are one shared chain of products (x^2, x^3, ... each one multiply);
+    - a negative power u^-n is n factors of one reciprocal r = 1/u (one per base, through `_rcp`);
+    - products of per-element factors are built as shared prefixes in a fixed order (dy first, then
+      reciprocals, then the factors used by the most terms, then monomials of x), so that e.g. dy r and
+      dy r^2 P are computed once and every coefficient-gradient term is one multiply-add into its accumulator.
+    """
+
+    def __init__(self, coefficient_names: set[str], elementwise: tuple[sympy.Symbol, ...],
+                 exprs: list[sympy.Expr]):
+        self.coefficients = coefficient_names
+        self.elementwise = set(elementwise)
+        self.prologue: list[tuple[str, str]] = []
+        self.body: list[tuple[str, str]] = []
+        self.constants: dict[sympy.Expr, str] = {}
+        self.values: dict[sympy.Expr, str] = {s: s.name for s in elementwise}
+        self.order: dict[str, tuple[int, int, int]] = {  # dy first in products, x (a monomial) last
+            s.name: (3 if s.name == "x" else 0, 0, i) for i, s in enumerate(elementwise)}
+        self.products: dict[tuple[str, ...], str] = {}
+        self.powers: dict[tuple[str, int], str] = {}
+        self.recips: dict[sympy.Expr, str] = {}
+        self.count = 0
+        self.uses: dict[sympy.Expr, int] = {}
+        for e in exprs:  # how many products use each per-element factor: shared ones go first in a product
+            for node in sympy.preorder_traversal(e):
+                if node.is_Mul:
+                    for f in node.args:
+                        base = f.as_base_exp()[0]
+                        self.uses[base] = self.uses.get(base, 0) + 1
+
+    def _name(self, prefix: str = "t") -> str:
+        self.count += 1
+        return f"{prefix}{self.count - 1}"
+
+    def _elementwise(self, e: sympy.Expr) -> bool:
+        return bool(e.free_symbols & self.elementwise)
+
+    def _monomial(self, e: sympy.Expr) -> bool:
+        """A function of x alone built from powers, abs and sign+: last in products (one multiply-add)."""
+        if e.is_Symbol:
+            return e in self.elementwise and e.name == "x"
+        if e.is_Pow:
+            return bool(e.exp.is_Integer and e.exp > 0) and self._monomial(e.base)
+        if isinstance(e, AbsPlus | SignPlus):
+            return self._monomial(e.args[0])
+        return False
+
+    def constant(self, e: sympy.Expr) -> str:
+        """A coefficient-only value: a literal, a coefficient name or a prologue temporary."""
+        e = sympy.sympify(e)
+        if e.is_Number:
+            text = triton_expr(e)
+            return f"({text})" if text.startswith("-") else text
+        if e.is_Symbol:
+            return e.name
+        if e not in self.constants:
+            name = self._name()
+            self.prologue.append((name, triton_expr(e)))
+            self.constants[e] = name
+        return self.constants[e]
+
+    def _emit(self, text: str, key: sympy.Expr | None, rank: tuple[int, int], prefix: str = "t") -> str:
+        name = self._name(prefix)
+        self.body.append((name, text))
+        self.order[name] = (*rank, self.count)
+        if key is not None:
+            self.values[key] = name
+        return name
+
+    def _rank(self, e: sympy.Expr) -> tuple[int, int]:
+        if self._monomial(e):
+            return (3, 0)
+        return (2, -self.uses.get(e, 0))
+
+    def value(self, e: sympy.Expr) -> str:
+        """The name of a per-element value (emitting the statements it needs)."""
+        if e in self.values:
+            return self.values[e]
+        if e.is_Add:
+            return self._emit(self.sum_text(e), e, self._rank(e))
+        if e.is_Mul:
+            k, rest = e.as_independent(*self.elementwise, as_Add=False)
+            prod = self.product(self.factors(rest))
+            if k == 1:
+                self.values[e] = prod
+                return prod
+            return self._emit(f"{self.constant(k)} * {prod}", e, self._rank(e))
+        if e.is_Pow and e.exp.is_Integer and e.exp != 0:
+            n = int(e.exp)
+            base = self.value(e.base) if n > 0 else self.reciprocal(e.base)
+            name = self.power(base, abs(n))
+            self.values[e] = name
+            return name
+        # any other function or power: its per-element arguments become temporaries, then sympy prints it
+        args = [sympy.Symbol(self.value(a), real=True) if self._elementwise(a) else a for a in e.args]
+        return self._emit(triton_expr(e.func(*args)), e, self._rank(e))
+
+    def reciprocal(self, base: sympy.Expr) -> str:
+        if base not in self.recips:
+            self.recips[base] = self._emit(f"_rcp({self.value(base)})", None, (1, 0), prefix="r")
+        return self.recips[base]
+
+    def power(self, base: str, n: int) -> str:
+        if n == 1:
+            return base
+        if (base, n) not in self.powers:
+            below = self.power(base, n - 1)
+            self.powers[(base, n)] = self._emit(f"{below} * {base}", None, self.order[base][:2])
+        return self.powers[(base, n)]
+
+    def factors(self, e: sympy.Expr) -> list[str]:
+        """The per-element factors of a product, as names; reciprocal powers as repeated reciprocals."""
+        names: list[str] = []
+        for f in sympy.Mul.make_args(e):
+            base, exp = f.as_base_exp()
+            if exp.is_Integer and exp < 0:
+                names += [self.reciprocal(base)] * int(-exp)
+            else:
+                names.append(self.value(f))
+        return sorted(names, key=lambda n: self.order[n])
+
+    def product(self, names: list[str]) -> str:
+        """The product of the factors as one name: prefix products are shared between terms."""
+        if len(names) == 1:
+            return names[0]
+        key = tuple(names)
+        if key not in self.products:
+            head = self.product(names[:-1])
+            self.products[key] = self._emit(f"{head} * {names[-1]}", None, (2, 0))
+        return self.products[key]
+
+    def term(self, e: sympy.Expr) -> tuple[sympy.Expr, str]:
+        """A per-element product as (coefficient-only factor, text of the rest with its last multiply inline)."""
+        k, rest = e.as_independent(*self.elementwise, as_Add=False)
+        names = self.factors(rest)
+        if k not in (1, -1) or len(names) == 1:
+            return k, self.product(names)
+        if tuple(names) in self.products:
+            return k, self.products[tuple(names)]
+        return k, f"{self.product(names[:-1])} * {names[-1]}"
+
+    def sum_text(self, e: sympy.Expr) -> str:
+        """k0 + k1 m1 + k2 m2 + ...: one fused multiply-add per per-element term, constants hoisted."""
+        const: list[sympy.Expr] = []
+        terms: dict[sympy.Expr, sympy.Expr] = {}
+        for t in sympy.Add.make_args(e):
+            if not self._elementwise(t):
+                const.append(t)
+                continue
+            k, rest = t.as_independent(*self.elementwise, as_Add=False)
+            terms[rest] = terms.get(rest, sympy.Integer(0)) + k
+        text = ""
+        if const:
+            text = self.constant(sympy.Add(*const))
+        for rest, k in terms.items():
+            if k == 0:
+                continue
+            if k in (1, -1):
+                _, inner = self.term(rest)
+            else:
+                inner = f"{self.constant(k)} * {self.value(rest)}"
+            sign = "-" if k == -1 else "+"
+            text = f"{text} {sign} {inner}" if text else (f"-({inner})" if k == -1 else inner)
+        return text or "0.0"
+
+    def accumulation(self, e: sympy.Expr) -> str:
+        """The text added to an accumulator: its last multiply fuses with the add."""
+        if e.is_Add:
+            return self.value(e)
+        k, inner = self.term(e)
+        if k == 1:
+            return inner
+        if k == -1:
+            return f"-({inner})"
+        _, rest = e.as_independent(*self.elementwise, as_Add=False)
+        return f"{self.constant(k)} * {self.value(rest)}"
+
+
 DY = sympy.Symbol("dy", real=True)
 
 
 def derive(formula: sympy.Expr, coefficients: list[Coefficient], span: Span) -> Derivation:
-    """F, dF/dx and dF/dc by sympy; the backward's statements multiply by the upstream gradient `dy` before
-    common subexpressions are shared (so dy * r0 etc. are computed once), and each dF/dc's factor that does not
+    """F, dF/dx and dF/dc by sympy, then lowered to per-element Triton statements (`_Lowering`). The backward
+    multiplies dF/dx and each dF/dc by the upstream gradient `dy` (dy distributed over the terms of dF/dx, so
+    products such as dy / Q are shared with the coefficient gradients), and each dF/dc's factor that does not
     depend on x (e.g. -sign+(b_j)) is pulled out of the accumulation and applied once per program."""
     def clean(e: sympy.Expr) -> sympy.Expr:
         return sympy.sympify(e).replace(sympy.DiracDelta, lambda *_: sympy.Integer(0))
@@ -343,18 +581,21 @@ def derive(formula: sympy.Expr, coefficients: list[Coefficient], span: Span) -> 
     split = [d.as_independent(X, as_Add=False) if d != 0 else (sympy.Integer(0), sympy.Integer(0)) for d in dcoef]
     try:
         fp, fb, (fout,) = _cse_lines([formula], names)
-        nonzero = [DY * rest for (_, rest), d in zip(split, dcoef, strict=True) if d != 0]
-        bp, bb, printed = _cse_lines([DY * dx, *nonzero], names)
+        dy_dx = sympy.Add(*(DY * t for t in sympy.Add.make_args(_canonical(dx))))
+        rests = [_canonical(DY * rest) for (_, rest), d in zip(split, dcoef, strict=True) if d != 0]
+        backward = _Lowering(names, (DY, X), [dy_dx, *rests])
+        bdx = backward.value(dy_dx)
+        printed = [backward.accumulation(r) for r in rests]
         factors = tuple(None if d == 0 or factor == 1 else triton_expr(factor)
                         for (factor, _), d in zip(split, dcoef, strict=True))
     except ValueError as err:
         raise UnsupportedRational(span, detail=f"cannot lower the activation to Triton: {err}") from None
-    it = iter(printed[1:])
+    it = iter(printed)
     bwd_dcoef = tuple(None if d == 0 else next(it) for d in dcoef)
     bad = (sympy.zoo, sympy.oo, -sympy.oo, sympy.nan)
     finite = all(not sympy.sympify(d).subs(X, 0).has(*bad) for d in dcoef)
-    return Derivation(formula, dx, dcoef, tuple(fp), tuple(fb), fout, tuple(bp), tuple(bb), printed[0], bwd_dcoef,
-                      finite, factors)
+    return Derivation(formula, dx, dcoef, tuple(fp), tuple(fb), fout,
+                      tuple(backward.prologue), tuple(backward.body), bdx, bwd_dcoef, finite, factors)
 
 
 @dataclass(frozen=True)
@@ -413,7 +654,7 @@ class RationalPlan:
         rows = self.bindings[r.row]
         width = self.bindings[r.width]
         groups = self.bindings[r.group]
-        row_programs = min(-(-rows // 16), max(1, PROGRAMS_PER_SM * REFERENCE_SMS // groups))
+        row_programs = min(-(-rows // 16), max(1, backward_resident(k) * REFERENCE_SMS // groups))
         programs = row_programs * groups
         atomics = programs * (self.k_group + self.k_shared)
         naive = rows * width * groups * k

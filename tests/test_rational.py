@@ -210,14 +210,28 @@ def test_kat_group_loads_state_dict_and_presets(op_cache):
 
 
 def test_kat_group_autocast_upcasts_and_trains(op_cache):
-    kat = KATGroup(8, mode="identity", cache_dir=op_cache)
-    x = torch.randn(2, 3, 24, dtype=torch.bfloat16, requires_grad=True)
+    """Default: upcast in registers (bf16 in memory, output bf16); upcast_under_autocast=True: KAT's fp32 copy.
+    Both compute the same fp32 values; the default returns them rounded to bf16 (what the next autocast op reads;
+    one bf16 step apart at most here, since the CPU interpreter's conversion need not round to nearest)."""
+    torch.manual_seed(0)
+    x0 = torch.randn(2, 3, 24).to(torch.bfloat16)
+    outs, grads = {}, {}
+    for upcast in (False, True):
+        kat = KATGroup(8, mode="swish", cache_dir=op_cache, upcast_under_autocast=upcast)
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = kat(x)
+        assert y.dtype == (torch.float32 if upcast else torch.bfloat16)
+        y.float().square().sum().backward()
+        assert x.grad is not None and x.grad.dtype == torch.bfloat16
+        assert kat.weight_denominator.grad.abs().sum() > 0
+        outs[upcast], grads[upcast] = y.detach(), x.grad
+    torch.testing.assert_close(outs[False].float(), outs[True], rtol=2.0 ** -7, atol=1e-6)
+    ident = KATGroup(8, mode="identity", cache_dir=op_cache)
+    x = x0.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = kat(x)
-    assert y.dtype == torch.float32
-    y.float().square().sum().backward()
-    assert x.grad is not None and x.grad.dtype == torch.bfloat16
-    assert kat.weight_denominator.grad.abs().sum() > 0  # b = 0 at identity init still gets a gradient
+        ident(x).float().square().sum().backward()
+    assert ident.weight_denominator.grad.abs().sum() > 0  # b = 0 at identity init still gets a gradient
 
 
 def test_call_errors_name_tensor_and_axis(op_cache):
