@@ -9,7 +9,7 @@ import sympy
 
 from ncd import ir
 from ncd.attention import AttentionRoles, KernelMaps
-from ncd.factorize import CHUNK, Factorization
+from ncd.factorize import Factorization
 from ncd.streaming import Certificate
 from ncd.symbolic import to_sympy
 
@@ -87,7 +87,7 @@ def render_attention_op(program: ir.Program, cert: Certificate, roles: Attention
         spec_name=program.name, origin_file=program.source.filename.rsplit("/", 1)[-1], op_id=op_id,
         params=params, signature=", ".join(params), axes_table=repr(axes_table), tensor_inputs=tensor_inputs,
         scalar_inputs=scalar_inputs, roles=roles, perms=perms, weight_expr=weight_expr, scale_expr=scale_expr,
-        output=roles.output, output_axes=o_axes, factorization=factorization, norm_origin=cert.span.origin, chunk=CHUNK,
+        output=roles.output, output_axes=o_axes, factorization=factorization, norm_origin=cert.span.origin,
         origins={"output": program.tensor(roles.output).span.origin, "weight": dict(spec.origin).get("weight", "")},
     )
     text = kernels + wrapper

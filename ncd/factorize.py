@@ -27,10 +27,6 @@ from .symbolic import torch_expr
 # factorized 0.76 ms fwd / 3.5 ms fwd+bwd at every N, streamed 0.52 / 2.78 ms at N = 1024 and 0.94 / 4.88 ms
 # at N = 2048) it sits near N = 12 D for self-attention, i.e. Nq Nk / (Nq + Nk) = 6 D.
 CROSSOVER = 6
-# Causal (a1 = c1 x, a2 = e2 x^2 only): chunks of CHUNK queries and keys; the streamed kernels skip the masked
-# half, so the crossover is set higher. Not yet measured on a GPU: a first estimate from the FLOP counts.
-CHUNK = 128
-CAUSAL_CROSSOVER = 8
 
 
 @dataclass(frozen=True)
@@ -41,20 +37,9 @@ class Factorization:
     e1: float
     e2: float
     b_torch: str  # b(z) as torch source in `z`
-    causal: bool = False  # chunked: exclusive prefix moments between chunks, masked scores inside a chunk
     crossover: int = CROSSOVER
 
     def describe(self) -> list[str]:
-        if self.causal:
-            return [
-                "factorized causal form (a1 = c1 x, a2 = e2 x^2 under the mask key <= query):",
-                f"  chunks of {CHUNK}: inside a chunk the masked scores S (C x C); across chunks the exclusive "
-                "prefix moments sum_{earlier chunks} K^T V and K^T K (D x D per chunk and head)",
-                f"  numerator = {self.c1:g} * scale * (q M_prev + S_masked V);  z = {self.e2:g} * scale^2 * "
-                "(q^T G_prev q + rowsum S_masked^2);  O = numerator / b(z), b(z) = " + self.b_torch,
-                f"  cost O(N C D + N D^2) instead of O(N^2 D); chosen per call when Nq Nk / (Nq + Nk) > "
-                f"{self.crossover} D",
-            ]
         return [
             "factorized form (no mask; a1, a2 polynomials of degree <= 1, <= 2 in the score):",
             f"  numerator  = {self.c0:g} * sum_j w_j v_j + {self.c1:g} * scale * q (K_w^T V)",
@@ -66,6 +51,8 @@ class Factorization:
 
 
 def factorize(cert: Certificate, causal: bool) -> Factorization | None:
+    if causal:
+        return None
     try:
         p1, p2 = sympy.Poly(cert.a1, X), sympy.Poly(cert.a2, X)
     except sympy.PolynomialError:
@@ -74,11 +61,8 @@ def factorize(cert: Certificate, causal: bool) -> Factorization | None:
         return None
     c = [float(p1.coeff_monomial(X**i)) for i in range(2)]
     e = [float(p2.coeff_monomial(X**i)) for i in range(3)]
-    if causal and (c[0] or e[0] or e[1]):
-        return None  # the chunked causal form pads with zero keys, which must contribute nothing
     try:
         b = torch_expr(cert.b, Z)
     except ValueError:
         return None
-    return Factorization(c[0], c[1], e[0], e[1], e[2], b, causal=causal,
-                         crossover=CAUSAL_CROSSOVER if causal else CROSSOVER)
+    return Factorization(c[0], c[1], e[0], e[1], e[2], b)
