@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -413,77 +414,21 @@ def plan_polykan(front: FrontEnd, bindings: dict[str, int]) -> PolyKANPlan | Non
 
 # --- nn.Modules ----------------------------------------------------------------------------------------------
 
-# The shipped specs' text (tests check they equal specs/*.ncd): installed ncd has no specs/ directory.
-SPECS = {
-    "chebyshev": """\
-# ChebyKAN layer (papers/polykan.txt): y[b,o] = sum_i sum_d C[i,o,d] T_d(tanh x[b,i])
-# The Chebyshev basis is given by its three-term recurrence; the compiler evaluates it.
-spec cheby_kan
-
-axis batch, inp, outp
-axis deg = 9                          # degree 8: coefficients for T_0..T_8
-
-in    x[batch inp] : f32
-param C[inp outp deg] : f32           # ChebyKAN's cheby_coeffs layout
-
-basis T(u) {
-  T[0] = 1
-  T[1] = u
-  T[n+1] = 2*u*T[n] - T[n-1]
-}
-
-Phi[batch inp deg] = T[deg](tanh(x))
-out y[batch outp] = Phi . C over inp deg
-""",
-    "legendre": """\
-# Legendre KAN layer: the ChebyKAN skeleton with the Legendre basis,
-#   (n+1) P_{n+1}(u) = (2n+1) u P_n(u) - n P_{n-1}(u)
-spec legendre_kan
-
-axis batch, inp, outp
-axis deg = 9
-
-in    x[batch inp] : f32
-param C[inp outp deg] : f32
-
-basis P(u) {
-  P[0] = 1
-  P[1] = u
-  P[n+1] = ((2*n + 1) * u * P[n] - n * P[n-1]) / (n + 1)
-}
-
-Phi[batch inp deg] = P[deg](tanh(x))
-out y[batch outp] = Phi . C over inp deg
-""",
-    "hermite": """\
-# Hermite KAN layer: the ChebyKAN skeleton with the (physicists') Hermite basis,
-#   H_{n+1}(u) = 2 u H_n(u) - 2 n H_{n-1}(u)
-spec hermite_kan
-
-axis batch, inp, outp
-axis deg = 9
-
-in    x[batch inp] : f32
-param C[inp outp deg] : f32
-
-basis H(u) {
-  H[0] = 1
-  H[1] = 2*u
-  H[n+1] = 2*u*H[n] - 2*n*H[n-1]
-}
-
-Phi[batch inp deg] = H[deg](tanh(x))
-out y[batch outp] = Phi . C over inp deg
-""",
-}
 SPEC_FILES = {"chebyshev": "cheby_kan.ncd", "legendre": "legendre_kan.ncd", "hermite": "hermite_kan.ncd"}
+
+
+def spec_path(basis: str) -> Path:
+    """The shipped spec of `basis` (installed as package data `ncd.specs`)."""
+    return Path(str(resources.files("ncd.specs").joinpath(SPEC_FILES[basis])))
+
+
+SPECS = {basis: spec_path(basis).read_text(encoding="utf-8") for basis in SPEC_FILES}
 _OPS: dict[tuple[str, int, str, str], Any] = {}
 
 
 def basis_op(basis: str, degree: int, basis_eval: str = "lut", cache_dir: str | Path | None = None) -> Any:
     """The compiled op of the shipped `basis` spec at `degree` (its `deg` axis overridden to degree + 1)."""
     from .ops import load
-    from .settings import settings
 
     if basis not in SPECS:
         raise ValueError(f"basis must be one of {tuple(SPECS)}, got {basis!r}")
@@ -491,12 +436,7 @@ def basis_op(basis: str, degree: int, basis_eval: str = "lut", cache_dir: str | 
         raise ValueError(f"degree must be a non-negative integer, got {degree!r}")
     key = (basis, degree, basis_eval, str(cache_dir))
     if key not in _OPS:
-        directory = (Path(cache_dir) if cache_dir is not None else settings().cache_dir) / "specs"
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / SPEC_FILES[basis]
-        if not path.is_file() or path.read_text(encoding="utf-8") != SPECS[basis]:
-            path.write_text(SPECS[basis], encoding="utf-8")
-        _OPS[key] = load(path, cache_dir, sizes={"deg": degree + 1}, options={"basis_eval": basis_eval})
+        _OPS[key] = load(spec_path(basis), cache_dir, sizes={"deg": degree + 1}, options={"basis_eval": basis_eval})
     return _OPS[key]
 
 

@@ -21,7 +21,7 @@ from ncd.backend import find_plan, op_id
 from ncd.basis_lut import Recurrence, choose_table
 from ncd.errors import NcdError, SizeMismatch, UnknownAxis
 from ncd.pipeline import front_end, load_spec
-from ncd.polykan import SPEC_FILES, SPECS, ChebyKANLayer, PolyKANLayer, UnsupportedPolyKAN, plan_polykan
+from ncd.polykan import SPEC_FILES, SPECS, ChebyKANLayer, PolyKANLayer, UnsupportedPolyKAN, plan_polykan, spec_path
 from ncd.validate import validate
 
 from .conftest import ROOT
@@ -108,9 +108,10 @@ def test_validate_rows_for_shipped_specs(path):
     assert all(r.ok for r in rows), rows
 
 
-def test_shipped_spec_text_matches_the_modules():
+def test_modules_read_the_shipped_specs():
     for basis, name in SPEC_FILES.items():
         assert (ROOT / "specs" / name).read_text(encoding="utf-8") == SPECS[basis]
+        assert spec_path(basis).resolve() == (ROOT / "specs" / name).resolve()
 
 
 def test_plan_states_table_and_error():

@@ -1,0 +1,1 @@
+"""The shipped specs, installed as package data (`importlib.resources.files("ncd.specs")`)."""
