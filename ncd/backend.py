@@ -37,8 +37,9 @@ def _families() -> list[Callable[[FrontEnd, dict[str, int]], KernelPlan | None]]
     from .attention import plan_attention
     from .polykan import plan_polykan
     from .rational import plan_rational
+    from .recurrence import plan_recurrence
 
-    return [plan_attention, plan_rational, plan_polykan]
+    return [plan_attention, plan_rational, plan_polykan, plan_recurrence]
 
 
 def find_plan(front: FrontEnd, bindings: dict[str, int] | None = None) -> KernelPlan | None:

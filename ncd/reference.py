@@ -278,7 +278,8 @@ class _Evaluator:
 
 def chebyshev_iteration(a: torch.Tensor, b: torch.Tensor, mu: torch.Tensor, lip: torch.Tensor,
                         iterations: int) -> torch.Tensor:
-    """Chebyshev iteration for SPD `a` with spectrum in [mu, lip]: x_0 = 2 b / (L + mu), omega_0 = 2."""
+    """Chebyshev iteration for SPD `a` with spectrum in [mu, lip]: x_0 = 2 b / (L + mu), omega_0 = 2, then
+    `iterations` steps (papers/gated-kalmanet.txt, Algorithm 1; the official kernels loop num_iter times)."""
     def matvec(x):
         return (a @ x.unsqueeze(-1)).squeeze(-1)
 
@@ -286,7 +287,7 @@ def chebyshev_iteration(a: torch.Tensor, b: torch.Tensor, mu: torch.Tensor, lip:
     x_prev = torch.zeros_like(b)
     x = 2 * b / (lip + mu)
     omega = torch.full_like(mu, 2.0)
-    for _ in range(1, iterations):
+    for _ in range(iterations):
         omega = 1 / (1 - omega * kappa_ratio**2 / 4)
         r = b - matvec(x)
         x, x_prev = omega * (x - x_prev + 2 / (lip + mu) * r) + x_prev, x

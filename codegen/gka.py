@@ -1,0 +1,70 @@
+"""Code generation for the recurrence family (Gated KalmaNet): the chunked kernels (templates/gka.py.jinja) then
+the PyTorch op (templates/gka_op.py.jinja). Spec-derived pieces are the per-token scalings and their derivatives
+(sympy, printed for Triton), the ridge, the iteration count, the contraction rate and the scale default."""
+
+from __future__ import annotations
+
+import ast
+
+import sympy
+
+from ncd import ir
+from ncd.recurrence import BETA, RIDGE, RecurrencePlan
+from ncd.symbolic import triton_expr
+
+from .attention import _environment
+from .attention_op import _default_code
+from .rational import RationalCodegenError
+
+
+def _device_expr(expr: sympy.Expr) -> str:
+    """A scaling as Triton source in `bt`, broadcast to bt's shape when it is constant."""
+    text = triton_expr(expr)
+    tree = ast.parse(text, mode="eval")
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    if not names <= {"bt", "tl"}:
+        raise RationalCodegenError(f"unexpected names {names - {'bt', 'tl'}} in {text!r}")
+    return text if "bt" in names else f"tl.full(bt.shape, {text}, tl.float32)"
+
+
+def render_gka_module(program: ir.Program, plan: RecurrencePlan, op_id: str) -> str:
+    r = plan.roles
+    env = _environment()
+    ks, vs = plan.key_scale, plan.value_scale
+    rho_python = sympy.pycode(plan.rho.subs(RIDGE, sympy.Symbol("a")))
+    kernels = env.get_template("gka.py.jinja").render(
+        spec_name=program.name, origin_file=program.source.filename.rsplit("/", 1)[-1], roles=r,
+        origins=plan.origins, ridge=repr(plan.ridge), iterations=plan.iterations,
+        key_scale=_device_expr(ks), key_scale_grad=_device_expr(sympy.diff(ks, BETA)),
+        value_scale=_device_expr(vs), value_scale_grad=_device_expr(sympy.diff(vs, BETA)),
+        key_scale_text=f"({ks})".replace("bt", r.beta or "1"), value_scale_text=f"({vs})".replace("bt", r.beta or "1"),
+        rho_text=str(plan.rho), rho_python=rho_python,
+    )
+    inputs = [t for t in program.inputs]
+    params = [t.name if t.default is None else f"{t.name}=None" for t in inputs]
+    by_role = {r.q: "q", r.k: "k", r.v: "v", r.g: "g", r.beta: "beta", r.alpha: "alpha", r.scale: "scale"}
+    call_args = ", ".join(f"{by_role[t.name]}={t.name}" for t in inputs)
+    scale_default = _default_code(program, program.tensor(r.scale)) if r.scale else "1.0"
+    axes = {role: tuple(program.tensor(name).axes) for role, name in
+            (("q", r.q), ("k", r.k), ("v", r.v), ("g", r.g), ("o", r.output))}
+    axes["beta"] = tuple(program.tensor(r.beta).axes) if r.beta else (r.batch, r.time, r.head)
+    axes["alpha"] = tuple(program.tensor(r.alpha).axes) if r.alpha else (r.batch, r.time, r.head)
+    op = env.get_template("gka_op.py.jinja").render(
+        spec_name=program.name, op_id=op_id, origin_file=program.source.filename.rsplit("/", 1)[-1], roles=_Roles(r),
+        origins=plan.origins, params=params, call_args=call_args, scale_default=scale_default,
+        axes_table=repr({a.name: (a.fixed, a.factors) for a in program.axes}), axes=axes,
+    )
+    text = kernels + op
+    ast.parse(text)  # the templates must always produce valid Python
+    return text
+
+
+class _Roles:
+    """Role names for the op template; absent optional inputs print as their op argument names."""
+
+    def __init__(self, roles: object) -> None:
+        self._roles = roles
+
+    def __getattr__(self, name: str) -> str:
+        value = getattr(self._roles, name)
+        return value if value is not None else name
