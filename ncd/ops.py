@@ -87,3 +87,30 @@ def load(path: str | Path, cache_dir: str | Path | None = None, sizes: Mapping[s
     front = load_spec(path, sizes, options)
     module, target = import_generated(op_id(front), lambda: generate(front), cache_dir)
     return Op(front, module, target)
+
+
+# --- shipped ops with library conventions -------------------------------------------------------------------
+
+_GKA_OPS: dict[tuple[int, int], Op] = {}
+
+
+def shipped_spec(name: str) -> Path:
+    """A spec shipped with ncd (package data `ncd.specs`)."""
+    from importlib import resources
+
+    return Path(str(resources.files("ncd.specs").joinpath(f"{name}.ncd")))
+
+
+def chunk_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, alpha: Any = None, scale: float | None = None,
+              ridge: float = 0.02, num_iter: int = 30, initial_state: Any = None, output_final_state: bool = False,
+              cu_seqlens: Any = None, chunk_size: int = 64) -> Any:
+    """Gated KalmaNet core compiled from `specs/gka.ncd`, with fla's conventions: q, k [B, T, H, K],
+    v [B, T, H, V], g [B, T, H] natural-log gates (<= 0), beta / alpha [B, T, H] (None: no key/value scaling;
+    alpha = 1), scale default K^-1/2, states (H [N, H, K, K], S [N, H, K, V]) fp32, `cu_seqlens` packs N
+    sequences into B = 1. Returns (o [B, T, H, V], final_state or None). Any head sizes: the spec is compiled
+    once per (K, V) with its fixed axes overridden."""
+    key = (int(q.shape[-1]), int(v.shape[-1]))
+    if key not in _GKA_OPS:
+        _GKA_OPS[key] = load(shipped_spec("gka"), sizes={"kdim": key[0], "vdim": key[1]})
+    return _GKA_OPS[key].module.chunk(q, k, v, g, beta, alpha, scale, ridge, num_iter, initial_state,
+                                      output_final_state, cu_seqlens, chunk_size)

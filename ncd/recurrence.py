@@ -142,7 +142,10 @@ def plan_recurrence(front: FrontEnd, bindings: dict[str, int]) -> RecurrencePlan
     program = front.program
     if not any(isinstance(n, ir.Scan) for d in program.definitions for n in ir.walk(d.value)):
         return None
-    return _Recognizer(program).run()
+    try:
+        return _Recognizer(program).run()
+    except NcdError as err:
+        raise err.with_source(front.source) from None
 
 
 def _fail(node_or_span: object, detail: str, hint: str | None = None) -> UnsupportedRecurrence:

@@ -1,0 +1,94 @@
+"""Sequence-mixing layers built on compiled specs.
+
+`GatedKalmaNet`: the GKA layer of papers/gated-kalmanet.txt with the official implementation's conventions
+(shared/anchors.md): q, k, v projections with short causal depthwise convolutions and SiLU, l2-normalised q and
+k (eps 1e-6), beta = sigmoid(.) scaling k and v by (beta + 1e-6), alpha = sigmoid(.) for the alpha-connection, a
+Mamba2-style gate g = -exp(A_log) softplus(a + dt_bias) (natural log, <= 0), the core `ncd.ops.chunk_gka`, then an
+RMSNorm gated by silu(g_proj(x)) and the output projection.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops import chunk_gka
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise 1-D convolution over time followed by SiLU; packed sequences never mix."""
+
+    def __init__(self, dim: int, kernel_size: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, kernel_size, groups=dim, padding=kernel_size - 1, bias=False)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        if cu_seqlens is not None:
+            bounds = cu_seqlens.tolist()
+            return torch.cat([self(x[:, lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)], 1)
+        length = x.shape[1]
+        return F.silu(self.conv(x.transpose(1, 2))[..., :length].transpose(1, 2))
+
+
+class GatedRMSNorm(nn.Module):
+    """rmsnorm(o) * weight * silu(gate), over the head dimension."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        o32 = o.float()
+        normed = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return (normed * F.silu(gate.float()) if gate is not None else normed).to(o.dtype)
+
+
+class GatedKalmaNet(nn.Module):
+    def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int | None = None,
+                 num_iter: int = 30, ridge: float = 0.02, conv_size: int = 4, use_short_conv: bool = True,
+                 use_beta: bool = True, use_alpha: bool = True, use_output_gate: bool = True, chunk_size: int = 64,
+                 norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.head_dim = head_dim or hidden_size // num_heads
+        self.num_iter, self.ridge, self.chunk_size = num_iter, ridge, chunk_size
+        inner = num_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.k_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.v_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.convs = nn.ModuleList([ShortConvolution(inner, conv_size) for _ in range(3)]) if use_short_conv else None
+        self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=True) if use_beta else None
+        self.alpha_proj = nn.Linear(hidden_size, num_heads, bias=True) if use_alpha else None
+        # Mamba2 gate parameters: A in [0, 16), dt in [1e-3, 1e-1) log-uniform (the official initialisation)
+        self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(0, 16).clamp_min(1e-4).log())
+        dt = torch.exp(torch.rand(num_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp_min(1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.g_proj = nn.Linear(hidden_size, inner, bias=False) if use_output_gate else None
+        self.o_norm = GatedRMSNorm(self.head_dim, norm_eps)
+        self.o_proj = nn.Linear(inner, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, initial_state=None,
+                output_final_state: bool = False):
+        """x [B, T, hidden] -> [B, T, hidden] (and the final state when asked)."""
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.convs is not None:
+            q, k, v = (conv(t, cu_seqlens) for conv, t in zip(self.convs, (q, k, v), strict=True))
+        q, k, v = (t.view(B, T, self.num_heads, self.head_dim) for t in (q, k, v))
+        q = q / (q.float().norm(dim=-1, keepdim=True).to(q.dtype) + 1e-6)
+        k = k / (k.float().norm(dim=-1, keepdim=True).to(k.dtype) + 1e-6)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        beta = torch.sigmoid(self.b_proj(x).float()) if self.b_proj is not None else None
+        alpha = torch.sigmoid(self.alpha_proj(x).float()) if self.alpha_proj is not None else None
+        o, state = chunk_gka(q, k, v, g, beta, alpha, scale=self.head_dim ** -0.5, ridge=self.ridge,
+                             num_iter=self.num_iter, initial_state=initial_state,
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                             chunk_size=self.chunk_size)
+        gate = self.g_proj(x).view(B, T, self.num_heads, self.head_dim) if self.g_proj is not None else None
+        out = self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
+        return (out, state) if output_final_state else out

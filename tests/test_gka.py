@@ -1,0 +1,187 @@
+"""Gated KalmaNet core compiled from specs/gka.ncd, run on the CPU Triton interpreter: forward against the naive
+per-timestep recurrence running the same Chebyshev iteration, every gradient against autograd through it, final
+and initial states, packed sequences, the layer, call-time checks and the recurrence pass's rejections.
+Fresh random inputs in the layer's domain at odd sizes (T = 100 with chunk 16, T not a multiple of the chunk);
+outputs poisoned with NaN (the generated module's POISON_OUTPUTS)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ncd
+from ncd.errors import CallError
+from ncd.gka_reference import chunked_gka, naive_gka
+from ncd.ops import chunk_gka, shipped_spec
+
+from .conftest import ROOT
+
+K, V = 32, 24
+
+
+@pytest.fixture(scope="module")
+def gka_module():
+    op = ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V})
+    op.module.POISON_OUTPUTS = True
+    yield op.module
+    op.module.POISON_OUTPUTS = False
+
+
+def draw(B=2, T=100, H=2, gen_seed=None, beta=True, alpha=True):
+    gen = torch.Generator().manual_seed(gen_seed if gen_seed is not None else torch.randint(1 << 30, ()).item())
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 3.0)
+    b = torch.sigmoid(torch.randn(B, T, H, generator=gen)) if beta else None
+    a = torch.sigmoid(torch.randn(B, T, H, generator=gen)) if alpha else None
+    return q, k, v, g, b, a
+
+
+def rms_ratio(value: torch.Tensor, ref: torch.Tensor) -> float:
+    value, ref = value.detach().double(), ref.detach().double()
+    assert not torch.isnan(value).any()
+    return float((value - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+
+def f64(ts):
+    return [t.double() if t is not None else None for t in ts]
+
+
+def test_forward_matches_the_naive_recurrence_and_is_close_to_the_exact_solve(gka_module):
+    inputs = draw()
+    o, _ = gka_module.chunk(*inputs, chunk_size=16)
+    ref, _ = naive_gka(*f64(inputs))
+    exact, _ = naive_gka(*f64(inputs), exact=True)
+    assert rms_ratio(o, ref) <= 0.005
+    assert rms_ratio(o, ref) < 1e-4  # fp32 against fp64, same algorithm
+    vs_exact = rms_ratio(o, exact)
+    print(f"GKA forward vs exact solve: RMS ratio {vs_exact:.2e} (30 Chebyshev steps)")
+    assert vs_exact < 0.05
+
+
+@pytest.mark.parametrize("beta,alpha", [(True, True), (False, False)])
+def test_all_gradients_and_states_match_autograd_through_the_naive_recurrence(gka_module, beta, alpha):
+    B, H = 2, 2
+    inputs = draw(B=B, H=H, beta=beta, alpha=alpha)
+    h0 = torch.randn(B, H, K, K)
+    h0 = h0 @ h0.transpose(-1, -2) * 0.05  # a covariance: symmetric positive semi-definite
+    s0 = torch.randn(B, H, K, V) * 0.1
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in (*inputs, h0, s0)]
+    o, (h_fin, s_fin) = gka_module.chunk(*leaves[:6], initial_state=(leaves[6], leaves[7]), output_final_state=True,
+                                          chunk_size=16)
+    do, dh, ds = torch.randn_like(o), torch.randn_like(h_fin), torch.randn_like(s_fin)
+    present = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad((o * do).sum() + (h_fin * dh).sum() + (s_fin * ds).sum(), present)
+
+    ref_leaves = [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
+    ref, (h_ref, s_ref) = naive_gka(*ref_leaves[:6], initial_state=(ref_leaves[6], ref_leaves[7]))
+    ref_present = [t for t in ref_leaves if t is not None]
+    ref_grads = torch.autograd.grad((ref * do.double()).sum() + (h_ref * dh.double()).sum()
+                                    + (s_ref * ds.double()).sum(), ref_present)
+    assert rms_ratio(o, ref) <= 0.005
+    assert rms_ratio(h_fin, h_ref) < 1e-5 and rms_ratio(s_fin, s_ref) < 1e-5
+    names = [n for n, t in zip("q k v g beta alpha h0 s0".split(), leaves, strict=True) if t is not None]
+    for name, got, want in zip(names, grads, ref_grads, strict=True):
+        assert rms_ratio(got, want) <= 0.02, name
+    # q's gradient is exact for Chebyshev (papers/gated-kalmanet.txt, Lemma 2): implicit == autograd
+    assert rms_ratio(grads[0], ref_grads[0]) < 1e-5
+
+
+def test_packed_sequences_equal_separate_runs(gka_module):
+    lengths = [37, 16, 50]
+    q, k, v, g, b, a = draw(B=1, T=sum(lengths))
+    cu = torch.tensor([0, 37, 53, 103], dtype=torch.int32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, b, a)]
+    o, (h_fin, _) = gka_module.chunk(*leaves, cu_seqlens=cu, output_final_state=True, chunk_size=16)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad((o * do).sum(), leaves)
+    for n, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        part = [t[:, lo:hi].clone().requires_grad_() for t in (q, k, v, g, b, a)]
+        o_n, (h_n, _) = gka_module.chunk(*part, output_final_state=True, chunk_size=16)
+        grads_n = torch.autograd.grad((o_n * do[:, lo:hi]).sum(), part)
+        assert rms_ratio(o[:, lo:hi], o_n) < 1e-6
+        assert rms_ratio(h_fin[n], h_n[0]) < 1e-6
+        for got, want in zip(grads, grads_n, strict=True):
+            assert rms_ratio(got[:, lo:hi], want) < 1e-5
+
+
+def test_chunked_torch_reference_and_public_op_agree_with_the_naive_recurrence():
+    inputs = draw(T=45)
+    ref, _ = naive_gka(*f64(inputs))
+    assert rms_ratio(chunked_gka(*inputs, chunk=16), ref) < 1e-4
+    o, state = chunk_gka(*inputs, num_iter=10, chunk_size=32)
+    ref10, _ = naive_gka(*f64(inputs), num_iter=10)
+    assert state is None and rms_ratio(o, ref10) < 1e-4
+
+
+def test_layer_runs_forward_and_backward_and_uses_the_compiled_core(monkeypatch):
+    from ncd import layers
+
+    torch.manual_seed(0)
+    layer = layers.GatedKalmaNet(hidden_size=2 * K, num_heads=2, num_iter=12, chunk_size=16)
+    x = torch.randn(2, 29, 2 * K, requires_grad=True)
+    y = layer(x)
+    y.square().mean().backward()
+    assert y.shape == x.shape and torch.isfinite(x.grad).all() and torch.isfinite(layer.A_log.grad).all()
+
+    def naive_core(q, k, v, g, beta, alpha, scale, ridge, num_iter, initial_state, output_final_state,
+                   cu_seqlens, chunk_size):
+        o, _ = naive_gka(q.double(), k.double(), v.double(), g.double(), beta.double(), alpha.double(), scale,
+                         ridge, num_iter)
+        return o.float(), None
+
+    monkeypatch.setattr(layers, "chunk_gka", naive_core)
+    assert rms_ratio(y, layer(x)) < 1e-4
+
+
+def test_call_time_errors_name_the_tensor_and_axis(gka_module):
+    q, k, v, g, b, a = draw(T=20)
+    with pytest.raises(CallError, match="v: axis 'time' has size 19"):
+        gka_module.chunk(q, k, v[:, :19], g, b, a)
+    with pytest.raises(CallError, match="k: axis 'kdim' has size 31, but the spec fixes it at 32"):
+        gka_module.chunk(q, k[..., :31], v, g, b, a)
+    with pytest.raises(CallError, match="batch 1"):
+        gka_module.chunk(q, k, v, g, b, a, cu_seqlens=torch.tensor([0, 20], dtype=torch.int32))
+    with pytest.raises(CallError, match="cu_seqlens must rise from 0 to 20"):
+        gka_module.chunk(*(t[:1] for t in (q, k, v, g, b, a)), cu_seqlens=torch.tensor([0, 7, 5, 20]))
+    with pytest.raises(CallError, match="dtype"):
+        gka_module.chunk(q, k.to(torch.float16), v, g, b, a)
+    with pytest.raises(CallError, match=r"initial_state\[0\] must have shape"):
+        gka_module.chunk(q, k, v, g, b, a, initial_state=(torch.zeros(2, 2, K, V), torch.zeros(2, 2, K, V)))
+
+
+BASE = (ROOT / "specs" / "gka.ncd").read_text()
+
+
+@pytest.mark.parametrize("old,new,message", [
+    ("U[batch time head vdim kdim] = scan(exp(g) * prev", "U[batch time head vdim kdim] = scan(exp(beta) * prev",
+     "the two scans must share one gate"),
+    ("L = normH + lam)", "L = normH)", "expected L = normH + lam"),
+    ("lam[batch time head] = ridge * normH", "lam[batch time head] = ridge * normH * normH",
+     "expected lam = ridge * normH"),
+    ("qa[batch time head kdim] = q + alpha * (x[batch time head kdim] - q)",
+     "qa[batch time head kdim] = q + alpha * x[batch time head kdim]", "alpha-connection"),
+])
+def test_recurrence_pass_rejects_what_it_cannot_chunk_with_a_located_error(tmp_path, old, new, message):
+    assert old in BASE
+    spec = tmp_path / "gka_variant.ncd"
+    spec.write_text(BASE.replace(old, new))
+    result = subprocess.run([sys.executable, "-m", "ncd.cli", "compile", str(spec), "--emit", "plan"],
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "error[unsupported]" in result.stderr and "gka_variant.ncd:" in result.stderr
+    assert message in result.stderr, result.stderr
+    assert "^" in result.stderr  # the source line with a caret
+    assert "Traceback" not in result.stderr
+
+
+def test_plan_shows_the_derived_chunked_form():
+    result = subprocess.run([sys.executable, "-m", "ncd.cli", "compile", str(ROOT / "specs" / "gka.ncd"), "--emit", "plan"],
+                            capture_output=True, text=True, check=True)
+    for expected in ("1/(2*a + 1)", "Gram form", "implicit differentiation", "gka.ncd:26", "(bt + 1/1000000)"):
+        assert expected in result.stdout
