@@ -9,6 +9,7 @@ RMSNorm gated by silu(g_proj(x)) and the output projection.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -28,7 +29,7 @@ class ShortConvolution(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         if cu_seqlens is not None:
             bounds = cu_seqlens.tolist()
-            return torch.cat([self(x[:, lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)], 1)
+            return torch.cat([self(x[:, lo:hi]) for lo, hi in itertools.pairwise(bounds)], 1)
         length = x.shape[1]
         return F.silu(self.conv(x.transpose(1, 2))[..., :length].transpose(1, 2))
 

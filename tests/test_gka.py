@@ -85,7 +85,7 @@ def test_all_gradients_and_states_match_autograd_through_the_naive_recurrence(gk
                                     + (s_ref * ds.double()).sum(), ref_present)
     assert rms_ratio(o, ref) <= 0.005
     assert rms_ratio(h_fin, h_ref) < 1e-5 and rms_ratio(s_fin, s_ref) < 1e-5
-    names = [n for n, t in zip("q k v g beta alpha h0 s0".split(), leaves, strict=True) if t is not None]
+    names = [n for n, t in zip(["q", "k", "v", "g", "beta", "alpha", "h0", "s0"], leaves, strict=True) if t is not None]
     for name, got, want in zip(names, grads, ref_grads, strict=True):
         assert rms_ratio(got, want) <= 0.02, name
     # q's gradient is exact for Chebyshev (papers/gated-kalmanet.txt, Lemma 2): implicit == autograd
@@ -181,7 +181,9 @@ def test_recurrence_pass_rejects_what_it_cannot_chunk_with_a_located_error(tmp_p
 
 
 def test_plan_shows_the_derived_chunked_form():
-    result = subprocess.run([sys.executable, "-m", "ncd.cli", "compile", str(ROOT / "specs" / "gka.ncd"), "--emit", "plan"],
+    spec = str(ROOT / "specs" / "gka.ncd")
+    result = subprocess.run([sys.executable, "-m", "ncd.cli", "compile", spec, "--emit", "plan"],
                             capture_output=True, text=True, check=True)
-    for expected in ("1/(2*a + 1)", "Gram form", "implicit differentiation", "gka.ncd:26", "(bt + 1/1000000)"):
+    expected_lines = ("1/(2*a + 1)", "Gram form", "implicit differentiation", "gka.ncd:26", "(bt + 1/1000000)")
+    for expected in expected_lines:
         assert expected in result.stdout

@@ -1,0 +1,203 @@
+"""GPU benchmark of the Gated KalmaNet core compiled from specs/gka.ncd, one run: correctness first, then timings.
+
+Shapes (issue 6): bf16, B = 4, T in {2048, 4096, 8192}, H = 8, D = 128, r in {10, 30} Chebyshev steps.
+Side by side: ncd's generated op (forward, forward+backward; TF32 products, and the official kernels' bf16
+products as a variant), the chunked PyTorch reference (ncd.gka_reference.chunked_gka, autograd backward), the
+naive per-timestep recurrence with autograd (T = 2048 only: one timed run each, seconds), and fla's
+chunk_gated_delta_rule / chunk_simple_gla forward (fla-core 0.6.0 wheel) at the same shapes.
+
+Correctness, every run (fla issue 640: Triton 3.4-3.7.0 miscompiles some gated chunk backward kernels on
+Hopper): ncd's output and all gradients against the float64 naive recurrence at B1 T300 H2 (chunk 64, T not a
+multiple of it), and against the fp32 chunked reference at the benchmark shape T = 2048.
+
+Run from outside the repository so the installed ncd is imported:
+    cd /tmp && python3 /path/to/repo/bench/gka.py [--ts 2048,4096,8192] [--rs 10,30] [--no-naive]
+Prints a short table last; full numbers go to $OUT/gka.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+import ncd
+from ncd.gka_reference import chunked_gka, naive_gka
+from ncd.ops import shipped_spec
+
+B, H, D = 4, 8, 128
+RESULTS: dict[str, object] = {}
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def ms(fn, rep=100):
+    return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+
+
+def once_ms(fn):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def draw(b, t, h, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = F.normalize(torch.randn(b, t, h, D, device="cuda", generator=gen), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(b, t, h, D, device="cuda", generator=gen), dim=-1).to(dtype)
+    v = torch.randn(b, t, h, D, device="cuda", generator=gen).to(dtype)
+    g = F.logsigmoid(torch.randn(b, t, h, device="cuda", generator=gen) + 3.0)
+    beta = torch.sigmoid(torch.randn(b, t, h, device="cuda", generator=gen))
+    alpha = torch.sigmoid(torch.randn(b, t, h, device="cuda", generator=gen))
+    return q, k, v, g, beta, alpha
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    if torch.isnan(a).any():
+        return float("nan")
+    return float((a - b).norm() / b.norm())
+
+
+def grads_of(fn, inputs, do):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    return out, torch.autograd.grad(out, leaves, do)
+
+
+def check(module, failures):
+    names = ["o", "dq", "dk", "dv", "dg", "dbeta", "dalpha"]
+    # (1) against the float64 naive recurrence (same Chebyshev iteration), T not a multiple of the chunk
+    for dtype, tol_o, tol_g in ((torch.float32, 1e-4, 2e-2), (torch.bfloat16, 1e-2, 3e-2)):
+        inputs = draw(1, 300, 2, dtype, seed=1)
+        do = torch.randn(1, 300, 2, D, device="cuda", dtype=dtype)
+        o, grads = grads_of(lambda *t: module.chunk(*t)[0], inputs, do)
+        ref, ref_grads = grads_of(lambda *t: naive_gka(*t)[0], [t.double() for t in inputs], do.double())
+        for name, a, b in zip(names, (o, *grads), (ref, *ref_grads), strict=True):
+            err, tol = rel(a, b), (tol_o if name == "o" else tol_g)
+            RESULTS[f"check naive {dtype} {name}"] = err
+            log(f"  check vs naive fp64 ({str(dtype)[6:]}) {name:6s} {err:.2e} (limit {tol:g})"
+                f" {'OK' if err <= tol else 'FAIL'}")
+            if not err <= tol:
+                failures.append(f"naive {dtype} {name}")
+    # (2) at the benchmark shape against the fp32 chunked reference (autograd through its iterations)
+    inputs = draw(B, 2048, H, seed=2)
+    do = torch.randn(B, 2048, H, D, device="cuda", dtype=torch.bfloat16)
+    o, grads = grads_of(lambda *t: module.chunk(*t)[0], inputs, do)
+    ref, ref_grads = grads_of(lambda *t: chunked_gka(*[x.float() for x in t]).float(), inputs, do.float())
+    for name, a, b in zip(names, (o, *grads), (ref, *ref_grads), strict=True):
+        err, tol = rel(a, b), (1e-2 if name == "o" else 3e-2)
+        RESULTS[f"check chunked {name}"] = err
+        log(f"  check vs chunked fp32 reference (bf16, T 2048) {name:6s} {err:.2e} (limit {tol:g})"
+            f" {'OK' if err <= tol else 'FAIL'}")
+        if not err <= tol:
+            failures.append(f"chunked {name}")
+
+
+def measure(module, inputs, r, naive):
+    """ncd (default precision, bf16 products, chunk 32), the chunked reference and the naive recurrence at r."""
+    cell: dict[str, float] = {}
+    do = torch.randn_like(inputs[2])
+    leaves = [x.detach().requires_grad_() for x in inputs]
+
+    def ncd_step():
+        o, _ = module.chunk(*leaves, num_iter=r)
+        torch.autograd.grad(o, leaves, do)
+
+    def chunked_step():
+        torch.autograd.grad(chunked_gka(*leaves, num_iter=r), leaves, do)
+
+    def naive_step():
+        o, _ = naive_gka(*leaves, num_iter=r)
+        torch.autograd.grad(o, leaves, do)
+
+    module.DOT_PRECISION = None  # the default: TF32 products for bf16 inputs
+    cell["fwd"] = ms(lambda: module.chunk(*inputs, num_iter=r))
+    cell["fb"] = ms(ncd_step)
+    o32, _ = module.chunk(*inputs, num_iter=r)
+    cell["fwd_c32"] = ms(lambda: module.chunk(*inputs, num_iter=r, chunk_size=32))
+    module.DOT_PRECISION = "bf16"
+    cell["fwd_bf16"] = ms(lambda: module.chunk(*inputs, num_iter=r))
+    o16, _ = module.chunk(*inputs, num_iter=r)
+    module.DOT_PRECISION = None
+    cell["bf16_vs_tf32"] = rel(o16, o32)
+    cell["chunked_fwd"] = ms(lambda: chunked_gka(*inputs, num_iter=r), rep=20)
+    cell["chunked_fb"] = ms(chunked_step, rep=20)
+    if naive:
+        cell["naive_fb"] = once_ms(naive_step)
+    return cell
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ts", default="2048,4096,8192")
+    parser.add_argument("--rs", default="10,30")
+    parser.add_argument("--no-naive", action="store_true")
+    args = parser.parse_args()
+    ts = [int(t) for t in args.ts.split(",")]
+    rs = [int(r) for r in args.rs.split(",")]
+    log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.datetime.now():%Y-%m-%d %H:%M}")
+    op = ncd.load(shipped_spec("gka"))
+    module = op.module
+    failures: list[str] = []
+    check(module, failures)
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as err:
+        log(f"fla unavailable: {err}")
+        chunk_gated_delta_rule = chunk_simple_gla = None
+
+    rows = []
+    for t in ts:
+        inputs = draw(B, t, H, seed=3)
+        base: dict[str, object] = {"T": t}
+        if chunk_gated_delta_rule is not None:
+            q, k, v, g, beta, _ = inputs
+            base["gdn"] = ms(lambda: chunk_gated_delta_rule(q, k, v, g, beta))  # noqa: B023 (called at once)
+            base["gla"] = ms(lambda: chunk_simple_gla(q, k, v, g))  # noqa: B023
+        for r in rs:
+            cell = dict(base, r=r, **measure(module, inputs, r, naive=t == 2048 and not args.no_naive))
+            log(f"  T {t} r {r}: " + ", ".join(f"{key} {val:.3f}" if isinstance(val, float) else f"{key} {val}"
+                                               for key, val in cell.items()))
+            rows.append(cell)
+            torch.cuda.empty_cache()
+
+    RESULTS["rows"] = rows
+    RESULTS["failures"] = failures
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gka.json"), "w") as handle:
+            json.dump(RESULTS, handle, indent=1)
+    log("")
+    log(f"GKA, bf16, B {B}, H {H}, D {D}; ms (median); ratios: ncd fwd / fla GDN fwd (targets: <= 3 at r 30, "
+        "<= 1.5 at r 10), naive fwd+bwd / ncd fwd+bwd (target >= 50 at T 2048)")
+    header = ("T", "r", "ncd fwd", "ncd f+b", "ncd fwd bf16-dot", "ncd fwd chunk 32", "chunked fwd", "chunked f+b",
+              "naive f+b",
+              "fla GDN fwd", "fla GLA fwd", "fwd/GDN", "naive/ncd f+b")
+    log("| " + " | ".join(header) + " |")
+    log("|" + "---|" * len(header))
+    for c in rows:
+        gdn = c.get("gdn")
+        cells = [c["T"], c["r"], f"{c['fwd']:.3f}", f"{c['fb']:.3f}", f"{c['fwd_bf16']:.3f}",
+                 f"{c['fwd_c32']:.3f}",
+                 f"{c['chunked_fwd']:.3f}", f"{c['chunked_fb']:.3f}",
+                 f"{c['naive_fb']:.0f}" if "naive_fb" in c else "-",
+                 f"{gdn:.3f}" if gdn else "-", f"{c['gla']:.3f}" if "gla" in c else "-",
+                 f"{c['fwd'] / gdn:.2f}" if gdn else "-",
+                 f"{c['naive_fb'] / c['fb']:.0f}x" if "naive_fb" in c else "-"]
+        log("| " + " | ".join(str(x) for x in cells) + " |")
+    log(f"correctness: {'all OK' if not failures else 'FAILED: ' + ', '.join(failures)}")
+
+
+if __name__ == "__main__":
+    main()
