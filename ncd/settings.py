@@ -18,7 +18,7 @@ class Settings:
     debug: bool  # NCD_DEBUG: show Python tracebacks for internal errors
     cache_dir: Path  # NCD_CACHE_DIR: where compiled ops are cached
     attention_factorize: str  # NCD_ATTENTION_FACTORIZE: auto (cost model) | always | never
-    gka_dot_precision: str | None = None  # NCD_GKA_DOT_PRECISION: tf32 | ieee | bf16 (default: by input dtype)
+    gka_dot_precision: str | None = None  # NCD_GKA_DOT_PRECISION: tf32 | tf32x3 | ieee | bf16 (default: by dtype)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -29,8 +29,8 @@ class Settings:
         if factorize not in ("auto", "always", "never"):
             raise ValueError(f"NCD_ATTENTION_FACTORIZE must be auto, always or never, not {factorize!r}")
         precision = os.environ.get("NCD_GKA_DOT_PRECISION", "").strip().lower() or None
-        if precision not in (None, "tf32", "ieee", "bf16"):
-            raise ValueError(f"NCD_GKA_DOT_PRECISION must be tf32, ieee or bf16, not {precision!r}")
+        if precision not in (None, "tf32", "tf32x3", "ieee", "bf16"):
+            raise ValueError(f"NCD_GKA_DOT_PRECISION must be tf32, tf32x3, ieee or bf16, not {precision!r}")
         return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=Path(cache),
                    attention_factorize=factorize, gka_dot_precision=precision)
 
