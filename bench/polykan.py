@@ -1,11 +1,13 @@
 """GPU benchmark of the polynomial-KAN family (ncd) against eager, torch.compile and Triton + cuBLAS baselines.
 
 Run from outside the repository so that the installed ncd is imported:
-    cd /tmp && python3 /path/to/repo/bench/polykan.py
-Checks correctness on the GPU first (ncd vs a float64 eager reference), then times every variant side by side
-(fp32), then trains a 3-layer ChebyKAN MLP with LayerNorm (eager vs ncd), and prints a table last.
-Timing: CUDA events around 50 calls after warm-up, median of 5 repeats, per call (launch overhead included:
-these sizes are launch-bound).
+    cd /tmp && python3 /path/to/repo/bench/polykan.py [--no-sweep]
+Sections, in one run: correctness on the GPU (ncd vs a float64 eager reference, every regime and basis
+evaluation), timing of every variant side by side (fp32), kernel launches and GPU kernel time per training
+step (torch profiler), a sweep of the GEMM regime's tiles at the large config, a 3-layer ChebyKAN MLP with
+LayerNorm (eager vs ncd), and a table last.
+Timing: CUDA events around `iters` back-to-back calls after warm-up, median of 5 repeats, per call (launch
+overhead included: the paper sizes are launch-bound, so host time per call is what is measured there).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 import traceback
 
 import torch
+import torch._functorch.config
 import triton
 import triton.language as tl
 
@@ -24,9 +27,15 @@ import ncd
 from ncd.polykan import ChebyKANLayer, PolyKANLayer
 
 CONFIGS = [(128, 40, 256, 8), (64, 256, 512, 15), (32, 512, 1024, 24), (4096, 1024, 1024, 8)]
-DEV = "cuda"
+LARGE = CONFIGS[-1]
+MID = CONFIGS[1]
+SATURATED = (128, 40, 256, 8)
+DEV = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" (with TRITON_INTERPRET=1) only to smoke-test this script
 OUT = os.environ.get("OUT", "/tmp")
 LINES: list[str] = []
+MAIN = "ncd (LUT, kernel layout)"
+# the bwd-only timing replays one graph (retain_graph=True): compiled backwards must not donate buffers
+torch._functorch.config.donated_buffer = False
 
 
 def log(line: str = "") -> None:
@@ -133,6 +142,25 @@ class _TritonBasis(torch.autograd.Function):
         return dx, None
 
 
+class _Nothing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, c):  # type: ignore[override]
+        ctx.save_for_backward(x, c)
+        return x.new_empty((x.shape[0], c.shape[1]))
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x, c = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(c)
+
+
+class Floor(EagerAcos):
+    """Host-overhead floor, not a baseline: one autograd.Function, outputs allocated, no kernels."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Nothing.apply(x, self.cheby_coeffs)
+
+
 class TritonCublas(torch.nn.Module):
     """Triton basis kernel (recurrence) writing [B, Din*(d+1)], then cuBLAS: weight stored [Din*(d+1), Dout]."""
 
@@ -154,6 +182,10 @@ def bench(fn, iters: int = 50, repeats: int = 5) -> float:
     """ms per call: CUDA events around `iters` calls, median over repeats."""
     for _ in range(3):
         fn()
+    if DEV == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
@@ -167,7 +199,7 @@ def bench(fn, iters: int = 50, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def measure(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[float, float, float]:
+def measure(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int) -> tuple[float, float, float]:
     params = [p for p in layer.parameters()]
 
     def fwd() -> None:
@@ -178,120 +210,356 @@ def measure(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[f
         y = layer(x)
         torch.autograd.grad(y, [x, *params], g)
 
-    t_fwd = bench(fwd)
-    t_fb = bench(fwdbwd)
-    try:
-        y = layer(x)
+    t_fwd = bench(fwd, iters)
+    t_fb = bench(fwdbwd, iters)
+    y = layer(x)
 
-        def bwd() -> None:
-            torch.autograd.grad(y, [x, *params], g, retain_graph=True)
+    def bwd() -> None:
+        torch.autograd.grad(y, [x, *params], g, retain_graph=True)
 
-        t_bwd = bench(bwd)
-    except Exception:
-        t_bwd = t_fb - t_fwd
+    t_bwd = bench(bwd, iters)
     return t_fwd, t_bwd, t_fb
 
 
+def profile_step(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, steps: int = 10,
+                 kernels: dict | None = None) -> tuple[float, float]:
+    """(CUDA kernels / memsets launched, GPU busy time in ms) per forward+backward step (torch profiler);
+    `kernels` receives name -> us per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if DEV == "cpu":
+        return 0.0, 0.0
+    params = [p for p in layer.parameters()]
+    for _ in range(2):
+        torch.autograd.grad(layer(x), [x, *params], g)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.autograd.grad(layer(x), [x, *params], g)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.time_range.elapsed_us() for e in events) / 1e3
+    if kernels is not None:
+        for e in events:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
+    return len(events) / steps, busy / steps
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def ncd_layer(i: int, o: int, d: int, basis: str = "chebyshev", **kw) -> PolyKANLayer:
+    if basis == "chebyshev":
+        return ChebyKANLayer(i, o, d, **kw)
+    return PolyKANLayer(i, o, d, basis, **kw)
+
+
+def bf16_layer(i: int, o: int, d: int) -> ChebyKANLayer:
+    """ChebyKANLayer compiled with matmul=bf16x3 (the GEMM regime's operands as bf16 parts)."""
+    layer = ChebyKANLayer(i, o, d)
+    op = ncd.load(ncd.polykan.spec_path("chebyshev"), sizes={"deg": d + 1}, options={"matmul": "bf16x3"})
+    layer._op, layer._fn = op, op.fn
+    return layer
 
 
 # --- sections ---------------------------------------------------------------------------------------------
 
 
 def correctness() -> bool:
-    log("## correctness on the GPU (ncd fp32 vs float64 eager reference; relative L2 errors)")
+    log("## correctness on the GPU (ncd fp32 vs float64 eager reference; relative L2 errors; limit 1e-4)")
     ok = True
-    cases = [(b, i, o, d, "chebyshev") for (b, i, o, d) in CONFIGS] + [
-        (64, 256, 512, 15, "legendre"), (64, 256, 512, 15, "hermite")]
-    for b, i, o, d, basis in cases:
+    cases = [(*cfg, "chebyshev", "lut", None) for cfg in CONFIGS]
+    cases += [(*cfg, "chebyshev", "recurrence", None) for cfg in CONFIGS]
+    cases += [(*MID, "legendre", "lut", None), (*MID, "hermite", "recurrence", None)]
+    cases += [(*MID, "chebyshev", "lut", "gemm")]
+    cases += [(*LARGE, "chebyshev", "lut", "bf16x3")]
+    for b, i, o, d, basis, mode, special in cases:
         torch.manual_seed(0)
-        layer = PolyKANLayer(i, o, d, basis).to(DEV)
+        layer = bf16_layer(i, o, d).to(DEV) if special == "bf16x3" else ncd_layer(i, o, d, basis,
+                                                                                   basis_eval=mode).to(DEV)
+        module = layer._op.module
+        if special == "gemm":
+            module.FORCE_REGIME = "gemm"
+            module._PLANS.clear()
         x = (torch.randn(b, i, device=DEV) * 2).requires_grad_(True)
         gy = torch.randn(b, o, device=DEV)
-        y = layer(x)
+        first = torch.autograd.grad(layer(x), [x, layer.coefficients], gy)
+        y = layer(x)  # the second step takes the direct launches: checked, and bitwise equal to the first
         dx, dc = torch.autograd.grad(y, [x, layer.coefficients], gy)
+        same = torch.equal(first[0], dx) and torch.equal(first[1], dc)
+        with torch.no_grad():
+            y_ng = layer(x)
+        regime = next(iter(module._PLANS.values())).til.regime
+        module.FORCE_REGIME = None
+        module._PLANS.clear()
         xd = x.detach().double().requires_grad_(True)
         cd = layer.coefficients.detach().double().requires_grad_(True)
         yr = torch.einsum("bid,iod->bo", recurrence_basis(torch.tanh(xd), d, basis), cd)
         dxr, dcr = torch.autograd.grad(yr, [xd, cd], gy.double())
-        errs = (rel(y, yr), rel(dx, dxr), rel(dc, dcr))
-        good = all(e < 1e-4 for e in errs)
+        errs = (rel(y, yr), rel(dx, dxr), rel(dc, dcr), rel(y_ng, yr))
+        good = all(e < 1e-4 for e in errs) and same
         ok &= good
-        log(f"  {basis:9s} B={b:5d} Din={i:5d} Dout={o:5d} deg={d:3d}: y {errs[0]:.2e}  dx {errs[1]:.2e}  "
-            f"dC {errs[2]:.2e}  {'ok' if good else 'FAIL'}")
-    # saturated inputs: finite gradients (eager acos gives NaN there)
-    layer = ChebyKANLayer(40, 256, 8).to(DEV)
-    x = torch.full((128, 40), 12.0, device=DEV).requires_grad_(True)
-    x.data[::2] = -15.0
-    y = layer(x)
-    dx, dc = torch.autograd.grad(y, [x, layer.cheby_coeffs], torch.randn_like(y))
-    fin = bool(torch.isfinite(dx).all() and torch.isfinite(dc).all() and torch.isfinite(y).all())
-    ok &= fin
-    log(f"  saturated inputs (|x| >= 12): finite y, dx, dC: {fin}")
+        log(f"  {basis:9s} {mode:10s} {regime:5s}{' bf16x3' if special == 'bf16x3' else ''} B={b:5d} Din={i:5d} "
+            f"Dout={o:5d} deg={d:3d}: y {errs[0]:.2e}  dx {errs[1]:.2e}  dC {errs[2]:.2e}  y(no grad) "
+            f"{errs[3]:.2e}  {'deterministic' if same else 'NOT DETERMINISTIC'}  {'ok' if good else 'FAIL'}")
+    for mode in ("lut", "recurrence"):
+        for regime in ("fused", "gemm"):
+            b, i, o, d = SATURATED
+            layer = ChebyKANLayer(i, o, d, basis_eval=mode).to(DEV)
+            module = layer._op.module
+            module.FORCE_REGIME = regime
+            module._PLANS.clear()
+            x = torch.full((b, i), 12.0, device=DEV)
+            x[::2] = -15.0
+            x[0, 0] = 1e30
+            x.requires_grad_(True)
+            y = layer(x)
+            dx, dc = torch.autograd.grad(y, [x, layer.cheby_coeffs], torch.randn_like(y))
+            module.FORCE_REGIME = None
+            module._PLANS.clear()
+            fin = bool(torch.isfinite(dx).all() and torch.isfinite(dc).all() and torch.isfinite(y).all())
+            ok &= fin
+            log(f"  saturated inputs (|x| >= 12), {mode}, {regime}: finite y, dx, dC: {fin}")
     return ok
 
 
-def timing() -> list[tuple]:
-    log("## timing (ms per call, fp32)")
-    rows = []
-    for b, i, o, d in CONFIGS:
-        torch.manual_seed(0)
-        eager = EagerAcos(i, o, d).to(DEV)
-        rec = EagerRecurrence(i, o, d).to(DEV)
-        rec.load_state_dict(eager.state_dict())
-        ours = ChebyKANLayer(i, o, d).to(DEV)
-        ours.load_state_dict(eager.state_dict())
-        ours_spec = ChebyKANLayer(i, o, d, layout="spec").to(DEV)
-        ours_spec.load_state_dict(eager.state_dict())
-        tc = TritonCublas(eager).to(DEV)
-        variants: list[tuple[str, torch.nn.Module]] = [
-            ("eager acos/cos + einsum", eager), ("eager recurrence", rec)]
-        try:
-            plain = EagerAcos(i, o, d).to(DEV)
-            plain.load_state_dict(eager.state_dict())
-            variants.append(("torch.compile(eager)", torch.compile(plain)))
-        except Exception:
-            log("  torch.compile unavailable: " + traceback.format_exc(limit=1))
-        ours_rec = ChebyKANLayer(i, o, d, basis_eval="recurrence").to(DEV)
-        ours_rec.load_state_dict(eager.state_dict())
-        variants += [("Triton basis + cuBLAS", tc), ("ncd (kernel layout)", ours),
-                     ("ncd (spec layout, reorder per step)", ours_spec), ("ncd (recurrence, kernel layout)", ours_rec)]
+def variants_for(cfg: tuple[int, int, int, int]) -> list[tuple[str, torch.nn.Module]]:
+    _, i, o, d = cfg
+    torch.manual_seed(0)
+    eager = EagerAcos(i, o, d).to(DEV)
+    out: list[tuple[str, torch.nn.Module]] = [("eager acos/cos + einsum", eager)]
+    rec = EagerRecurrence(i, o, d).to(DEV)
+    rec.load_state_dict(eager.state_dict())
+    out.append(("eager recurrence", rec))
+    try:
+        plain = EagerAcos(i, o, d).to(DEV)
+        plain.load_state_dict(eager.state_dict())
+        out.append(("torch.compile(eager)", torch.compile(plain)))
+    except Exception:
+        log("  torch.compile unavailable: " + traceback.format_exc(limit=1))
+    out.append(("Triton basis + cuBLAS", TritonCublas(eager).to(DEV)))
+    if cfg != LARGE:
+        out.append(("floor: autograd.Function, no kernels", Floor(i, o, d).to(DEV)))
+    for name, kw in ((MAIN, {}), ("ncd (recurrence, kernel layout)", {"basis_eval": "recurrence"}),
+                     ("ncd (LUT, spec layout: reorder per step)", {"layout": "spec"})):
+        layer = ChebyKANLayer(i, o, d, **kw).to(DEV)
+        layer.load_state_dict(eager.state_dict())
+        out.append((name, layer))
+    if cfg == LARGE:
+        layer = bf16_layer(i, o, d).to(DEV)
+        layer.load_state_dict(eager.state_dict())
+        out.append(("ncd (LUT, matmul=bf16x3)", layer))
+    else:
+        layer = ChebyKANLayer(i, o, d).to(DEV)
+        layer.load_state_dict(eager.state_dict())
+        out.append(("ncd (LUT, Triton's JIT launch path)", layer))
+    return out
+
+
+def timing() -> tuple[list[tuple], list[tuple]]:
+    log("## timing (ms per call, fp32) and launches / GPU time per fwd+bwd step (torch profiler)")
+    rows, prof_rows = [], []
+    for cfg in CONFIGS:
+        b, i, o, _ = cfg
         x = torch.randn(b, i, device=DEV, requires_grad=True)
         g = torch.randn(b, o, device=DEV)
-        for name, layer in variants:
+        iters = 10 if cfg == LARGE else 50
+        for name, layer in variants_for(cfg):
+            if "JIT launch" in name:
+                layer._op.module.FAST_LAUNCH = False
+                layer._op.module._PLANS.clear()
+            t0 = time.time()
+            kernels: dict = {}
+            try:
+                f, bw, fb = measure(layer, x, g, iters)
+                n_launch, busy = profile_step(layer, x, g, 3 if cfg == LARGE else 10, kernels)
+            except Exception:
+                log(f"  {name} failed: {traceback.format_exc(limit=3)}")
+                continue
+            finally:
+                if "JIT launch" in name:
+                    layer._op.module.FAST_LAUNCH = True
+                    layer._op.module._PLANS.clear()
+            rows.append((cfg, name, f, bw, fb))
+            prof_rows.append((cfg, name, n_launch, busy))
+            log(f"  {cfg} {name:42s} fwd {f:8.4f}  bwd {bw:8.4f}  fwd+bwd {fb:8.4f}  | {n_launch:5.1f} launches, "
+                f"GPU busy {busy:7.4f} ms/step   [{time.time() - t0:.1f}s]")
+            if name.startswith("ncd"):
+                log("      kernels (us/step): " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in sorted(
+                    kernels.items(), key=lambda kv: -kv[1])))
+                if name == MAIN:
+                    launchers = [k for p in layer._op.module._PLANS.values() for k in (
+                        *p._fwd.values(), *p._bwd.values(), *p._basis.values(), *getattr(p, "_split", {}).values(),
+                        *[getattr(p, a) for a in ("gemm_fwd", "gemm_dc", "dx") if hasattr(p, a)])]
+                    names = ", ".join(k.fn.__name__ + ("" if k.k is not None else f" (JIT: {k.why})")
+                                      for k in launchers)
+                    log(f"      direct launches active: {sum(k.k is not None for k in launchers)} of {len(launchers)} "
+                        f"kernels ({names})")
+    return rows, prof_rows
+
+
+def sweep() -> list[str]:
+    """The GEMM regime at the large config: fwd+bwd ms and errors per (split, BM, BN, BK, warps, stages, KCHUNK)."""
+    log("## GEMM-regime sweep at the large config (fwd+bwd ms; ChebyKAN LUT; errors vs float64)")
+    b, i, o, d = LARGE
+    torch.manual_seed(0)
+    x = (torch.randn(b, i, device=DEV) * 2).requires_grad_(True)
+    g = torch.randn(b, o, device=DEV)
+    out = []
+    candidates = {
+        "tf32": [((128, 128, 32, 8, 3), 1024), ((128, 128, 32, 8, 3), 1 << 20), ((128, 128, 32, 8, 3), 256),
+                 ((128, 128, 32, 4, 3), 1024)],
+        "bf16": [((128, 128, 64, 8, 3), 1024), ((128, 128, 64, 8, 3), 1 << 20), ((128, 128, 64, 8, 4), 1024)],
+    }
+    for split, configs in candidates.items():
+        layer = (bf16_layer(i, o, d) if split == "bf16" else ChebyKANLayer(i, o, d)).to(DEV)
+        module = layer._op.module
+        xd = x.detach().double().requires_grad_(True)
+        cd = layer.cheby_coeffs.detach().double().requires_grad_(True)
+        yr = torch.einsum("bid,iod->bo", recurrence_basis(torch.tanh(xd), d), cd)
+        dxr, dcr = torch.autograd.grad(yr, [xd, cd], g.double())
+        del xd, cd
+        for cfg, kchunk in configs:
+            module.GEMM_CONFIG = cfg
+            module.GEMM_KCHUNK = kchunk
+            module._PLANS.clear()
             t0 = time.time()
             try:
-                f, bw, fb = measure(layer, x, g)
-            except Exception:
-                log(f"  {name} failed: {traceback.format_exc(limit=2)}")
-                continue
-            rows.append(((b, i, o, d), name, f, bw, fb))
-            log(f"  ({b}, {i}, {o}, {d}) {name:38s} fwd {f:8.4f}  bwd {bw:8.4f}  fwd+bwd {fb:8.4f}   "
-                f"[{time.time() - t0:.1f}s incl. compile]")
-    return rows
+                y = layer(x)
+                dx, dc = torch.autograd.grad(y, [x, layer.cheby_coeffs], g)
+                errs = f"y {rel(y, yr):.1e} dx {rel(dx, dxr):.1e} dC {rel(dc, dcr):.1e}"
+                del y, dx, dc
+
+                def step() -> None:
+                    torch.autograd.grad(layer(x), [x, layer.cheby_coeffs], g)  # noqa: B023
+
+                t = bench(step, 5, 3)
+                line = f"  {split} {cfg} KCHUNK {kchunk}: fwd+bwd {t:.3f} ms  {errs}  [{time.time() - t0:.1f}s]"
+            except Exception as err:
+                line = f"  {split} {cfg} KCHUNK {kchunk}: failed ({type(err).__name__}: {str(err)[:120]})"
+            log(line)
+            out.append(line)
+        module.GEMM_CONFIG = None
+        module.GEMM_KCHUNK = 1024
+        module._PLANS.clear()
+    return out
 
 
-def launches() -> None:
-    log("## kernel launches per call (torch profiler, CUDA kernels)")
-    from torch.profiler import ProfilerActivity, profile
+def no_grad(layer: torch.nn.Module, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        layer(x)
 
-    for b, i, o, d in CONFIGS[:3]:
-        layer = ChebyKANLayer(i, o, d).to(DEV)
+
+def cpu_us(fn, n: int = 100) -> float:
+    """Host time per call (us): n back-to-back calls, the GPU queue left to drain afterwards."""
+    for _ in range(5):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) / n * 1e6
+    sync()
+    return t
+
+
+def host_breakdown() -> None:
+    """Where the host time of one ncd step goes (recurrence mode, fused regime)."""
+    log("## host time per call (us, perf_counter over 100 back-to-back calls; GPU not waited for)")
+    for cfg in CONFIGS[:3:2]:
+        _host_breakdown(cfg)
+
+
+def _host_breakdown(cfg: tuple[int, int, int, int]) -> None:
+    if True:
+        b, i, o, d = cfg
+        layer = ChebyKANLayer(i, o, d, basis_eval="recurrence").to(DEV)
+        lut = ChebyKANLayer(i, o, d).to(DEV)
+        floor = Floor(i, o, d).to(DEV)
+        module = layer._op.module
+        c = layer.cheby_coeffs
         x = torch.randn(b, i, device=DEV, requires_grad=True)
-        layer(x).sum().backward()
-        torch.cuda.synchronize()
-        g = torch.ones(b, o, device=DEV)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            layer(x)
-            torch.cuda.synchronize()
-        n_fwd = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            y = layer(x)
-            torch.autograd.grad(y, [x, layer.cheby_coeffs], g)
-            torch.cuda.synchronize()
-        n_all = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-        log(f"  ({b}, {i}, {o}, {d}): forward {n_fwd} kernels, forward+backward {n_all}")
+        xn = x.detach()
+        g = torch.randn(b, o, device=DEV)
+
+        def step(m=layer, p=c) -> None:
+            torch.autograd.grad(m(x), [x, p], g)
+
+        step()
+        step(lut, lut.cheby_coeffs)
+        plan = next(iter(module._PLANS.values()))
+        stream = module._stream(0)
+        ws, cnt = module._buffers(xn, 0, stream, plan.fwd_ws, plan.fwd_cnt)
+        y = xn.new_empty((b, o))
+        k = plan.fwd(False)
+        args = (xn, c, xn, xn, xn, xn, y, ws, cnt, cnt, *plan.fwd_args, 0)
+        key = (xn.shape, c.shape, c.stride(), xn.dtype, c.dtype, xn.device, c.device)
+        items = [
+            ("dict lookup of the route key", lambda: module._ROUTES.get(key)),
+            ("x.new_empty", lambda: xn.new_empty((b, o))),
+            ("direct launch of the forward kernel", lambda: k(stream, *args)),
+            ("Triton JIT launch of the same kernel", lambda: module._fwd_fused[k.grid](*args, **k.consts, **k.opts)),
+            ("forward_impl (plan, buffers, alloc, launch)", lambda: module.forward_impl(xn, c, o)),
+            ("backward_impl (plan, buffers, 2 allocs, launch)", lambda: module.backward_impl(g, xn, c, o)),
+            ("layer(x) under no_grad", lambda: no_grad(layer, x)),
+            ("layer(x) with grad (autograd.Function)", lambda: layer(x)),
+            ("floor layer(x) with grad (no kernels)", lambda: floor(x)),
+            ("floor fwd+bwd step (no kernels)", lambda: step(floor, floor.cheby_coeffs)),
+            ("ncd recurrence fwd+bwd step", step),
+            ("ncd LUT fwd+bwd step", lambda: step(lut, lut.cheby_coeffs)),
+        ]
+        log(f"  {cfg}: " + "; ".join(f"{name} {cpu_us(fn):.1f}" for name, fn in items))
+
+
+def fused_sweep() -> None:
+    """Fused-regime variants at the paper configs: GPU busy and step time, errors vs float64."""
+    log("## fused-regime tile sweep (fwd BN, fwd BI, bwd BI, bwd BO, warps, stages) / dot precision")
+    variants = [None, (64, 32, 32, 64, 8, 3), (64, 32, 64, 64, 4, 3), (64, 32, 32, 64, 4, 2),
+                (128, 32, 32, 128, 4, 3)]
+    for cfg in CONFIGS[1:3]:
+        b, i, o, d = cfg
+        torch.manual_seed(0)
+        x = (torch.randn(b, i, device=DEV) * 2).requires_grad_(True)
+        g = torch.randn(b, o, device=DEV)
+        for mode in ("recurrence", "lut"):
+            layer = ChebyKANLayer(i, o, d, basis_eval=mode).to(DEV)
+            module = layer._op.module
+            xd = x.detach().double().requires_grad_(True)
+            cd = layer.cheby_coeffs.detach().double().requires_grad_(True)
+            yr = torch.einsum("bid,iod->bo", recurrence_basis(torch.tanh(xd), d), cd)
+            dxr, dcr = torch.autograd.grad(yr, [xd, cd], g.double())
+            runs = [(v, "tf32x3") for v in (variants if mode == "recurrence" else variants[:1])] + [(None, "bf16x3")]
+            for variant, prec in runs:
+                module.FUSED_CONFIG = variant
+                module.FUSED_PREC = prec
+                module._PLANS.clear()
+                try:
+                    y = layer(x)
+                    dx, dc = torch.autograd.grad(y, [x, layer.cheby_coeffs], g)
+                    errs = f"y {rel(y, yr):.1e} dx {rel(dx, dxr):.1e} dC {rel(dc, dcr):.1e}"
+                    kernels: dict = {}
+                    _, busy = profile_step(layer, x, g, 10, kernels)
+
+                    def step() -> None:
+                        torch.autograd.grad(layer(x), [x, layer.cheby_coeffs], g)  # noqa: B023
+
+                    t = bench(step, 50, 3)
+                    til = next(iter(module._PLANS.values())).til
+                    log(f"  {cfg} {mode:10s} {prec} {variant or 'default'} (fwd {til.fwd_blocks} split "
+                        f"{til.fwd_split}, bwd {til.bwd_blocks}): step {t:.4f} ms, GPU {busy:.4f} ms [" + ", ".join(
+                            f"{k[:12]} {v:.1f}us" for k, v in kernels.items()) + f"]  {errs}")
+                except Exception as err:
+                    log(f"  {cfg} {mode} {prec} {variant}: failed ({type(err).__name__}: {str(err)[:160]})")
+            module.FUSED_CONFIG = None
+            module.FUSED_PREC = module._PREC
+            module._PLANS.clear()
 
 
 def training() -> tuple[float, float, float, float]:
@@ -313,16 +581,18 @@ def training() -> tuple[float, float, float, float]:
     for model in (eager, ours):
         opt = torch.optim.Adam(model.parameters(), lr=3e-3)
         losses = []
-        torch.cuda.synchronize()
-        t0 = time.time()
+        t0 = 0.0
         for s in range(steps):
+            if s == 100:  # time the last 300 steps (the first compile the kernels)
+                sync()
+                t0 = time.time()
             loss = torch.nn.functional.mse_loss(model(xs[s]), ys[s])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             losses.append(loss.detach())
-        torch.cuda.synchronize()
-        per_step = (time.time() - t0) / steps * 1e3
+        sync()
+        per_step = (time.time() - t0) / (steps - 100) * 1e3
         final = float(torch.stack(losses[-50:]).mean())
         results += [final, per_step]
     e_loss, e_ms, o_loss, o_ms = results
@@ -333,34 +603,45 @@ def training() -> tuple[float, float, float, float]:
 
 
 def main() -> int:
-    log(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
-        f"ncd {ncd.__version__}")
+    if DEV == "cuda":
+        log(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+            f"ncd {ncd.__version__}  SMs {torch.cuda.get_device_properties(0).multi_processor_count}")
     t0 = time.time()
     ok = correctness()
     log(f"[correctness {time.time() - t0:.0f}s]")
-    rows = timing()
+    rows, prof_rows = timing()
     log(f"[timing done {time.time() - t0:.0f}s]")
-    try:
-        launches()
-    except Exception:
-        log("launch count failed: " + traceback.format_exc(limit=2))
+    for section in (host_breakdown, fused_sweep, sweep):
+        if section is not host_breakdown and ("--no-sweep" in sys.argv or time.time() - t0 > float(
+                os.environ.get("SWEEP_BEFORE_S", "200"))):
+            break
+        try:
+            section()
+        except Exception:
+            log(f"{section.__name__} failed: " + traceback.format_exc(limit=3))
+        log(f"[{section.__name__} done {time.time() - t0:.0f}s]")
     train = training()
     log(f"[all done {time.time() - t0:.0f}s]")
     log("")
-    log("| config (B, Din, Dout, degree) | variant | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd speedup of ncd vs this |")
-    log("|---|---|---:|---:|---:|---:|")
+    log("| config (B, Din, Dout, degree) | variant | fwd ms | bwd ms | fwd+bwd ms | launches/step | GPU ms/step | "
+        f"fwd+bwd: {MAIN} speedup vs this |")
+    log("|---|---|---:|---:|---:|---:|---:|---:|")
     for cfg in CONFIGS:
-        mine = [r for r in rows if r[0] == cfg and r[1] == "ncd (kernel layout)"]
+        mine = [r for r in rows if r[0] == cfg and r[1] == MAIN]
         for r in (r for r in rows if r[0] == cfg):
+            p = next((q for q in prof_rows if q[0] == cfg and q[1] == r[1]), None)
             speed = f"{r[4] / mine[0][4]:.2f}x" if mine else "-"
-            log(f"| {cfg} | {r[1]} | {r[2]:.4f} | {r[3]:.4f} | {r[4]:.4f} | {speed} |")
+            log(f"| {cfg} | {r[1]} | {r[2]:.4f} | {r[3]:.4f} | {r[4]:.4f} | "
+                f"{p[2]:.0f} | {p[3]:.4f} | {speed} |" if p else f"| {cfg} | {r[1]} | {r[2]:.4f} | {r[3]:.4f} | "
+                f"{r[4]:.4f} | - | - | {speed} |")
     for cfg in CONFIGS:
-        base = [r for r in rows if r[0] == cfg and not r[1].startswith("ncd")]
-        mine = [r for r in rows if r[0] == cfg and r[1] == "ncd (kernel layout)"]
-        if base and mine:
-            best = min(base, key=lambda r: r[4])
-            log(f"best baseline at {cfg}: {best[1]} {best[4]:.4f} ms; ncd {mine[0][4]:.4f} ms; speedup "
-                f"{best[4] / mine[0][4]:.2f}x")
+        base = [r for r in rows if r[0] == cfg and not r[1].startswith(("ncd", "floor"))]
+        if not base:
+            continue
+        best = min(base, key=lambda r: r[4])
+        for r in (r for r in rows if r[0] == cfg and r[1].startswith("ncd")):
+            log(f"best baseline at {cfg}: {best[1]} {best[4]:.4f} ms; {r[1]} {r[4]:.4f} ms; speedup "
+                f"{best[4] / r[4]:.2f}x")
     e_loss, e_ms, o_loss, o_ms = train
     log(f"MLP: eager loss {e_loss:.5f} ({e_ms:.2f} ms/step), ncd loss {o_loss:.5f} ({o_ms:.2f} ms/step), "
         f"difference {abs(o_loss - e_loss) / e_loss:.2%}")

@@ -13,7 +13,8 @@ import numpy as np
 import sympy
 
 from ncd import ir
-from ncd.basis_lut import U
+from ncd.basis_lut import N, U
+from ncd.polykan import MATMUL
 from ncd.symbolic import triton_expr
 
 from .attention import _environment
@@ -44,6 +45,53 @@ def _perm(perm: tuple[int, ...]) -> str:
     return "" if perm == tuple(range(len(perm))) else f".permute{perm}"
 
 
+def _poly_text(expr: sympy.Expr, gens: list[sympy.Symbol], n: sympy.Symbol) -> str:
+    """`expr` (polynomial in `gens`, coefficients in the step variable n) printed as a sum of
+    (scalar coefficient in n) * monomial, so that the kernels compute the n-dependent coefficients once per
+    degree as scalars and the per-element work is multiply-adds. Falls back to the plain expression."""
+    try:
+        poly = sympy.Poly(sympy.expand(expr), *gens)
+    except sympy.PolynomialError:
+        return triton_expr(expr)
+    if any(c.free_symbols - {n} for c in poly.coeffs()):
+        return triton_expr(expr)
+    parts = []
+    for monom, coeff in poly.terms():
+        factors = [str(g) for g, e in zip(gens, monom, strict=True) for _ in range(e)]
+        coeff = sympy.factor(coeff)
+        text = triton_expr(coeff)
+        if not factors:
+            parts.append(f"({text})")
+        elif coeff == 1:
+            parts.append(" * ".join(factors))
+        else:
+            parts.append(f"({text}) * " + " * ".join(factors))
+    return " + ".join(parts) if parts else "0.0"
+
+
+def _recurrence_context(plan: PolyKANPlan) -> dict[str, Any]:
+    """Text of the recurrence as the kernels evaluate it, in a runtime loop over degrees d: P_d from the
+    carried P_{d-1}, P_{d-2}, ... (q0, q1, ...) with the step variable n = d - 1; the first terms directly."""
+    rec = plan.recurrence
+    if len(rec.initial) < rec.depth:
+        raise PolyKANCodegenError("the recurrence needs at least as many initial terms as it reads back")
+    n = sympy.Symbol("n", real=True)
+    u = sympy.Symbol("u", real=True)
+    qs = [sympy.Symbol(f"q{j}", real=True) for j in range(rec.depth)]
+    dqs = [sympy.Symbol(f"dq{j}", real=True) for j in range(rec.depth)]
+    subs: dict[sympy.Basic, sympy.Basic] = {U: u, N: n}
+    for j in range(rec.depth):
+        subs[sympy.Symbol(f"P{j}", real=True)] = qs[j]
+        subs[sympy.Symbol(f"dP{j}", real=True)] = dqs[j]
+    names = {"u", "n", *map(str, qs), *map(str, dqs)}
+    step = _check(_poly_text(rec.step.subs(subs), [u, *qs], n), names)
+    dstep = _check(_poly_text(rec.dstep.subs(subs), [u, *qs, *dqs], n), names)
+    initial = [_check(triton_expr(sympy.sympify(p).subs(U, u)), {"u"}) for p in rec.initial]
+    dinitial = [_check(triton_expr(sympy.sympify(p).subs(U, u)), {"u"}) for p in rec.dinitial]
+    return {"q_names": [str(q) for q in qs], "dq_names": [str(q) for q in dqs], "step_text": step,
+            "dstep_text": dstep, "initial_texts": initial, "dinitial_texts": dinitial}
+
+
 def render_polykan_op(program: ir.Program, plan: PolyKANPlan, op_id: str) -> str:
     r = plan.roles
     D = plan.degrees
@@ -55,11 +103,9 @@ def render_polykan_op(program: ir.Program, plan: PolyKANPlan, op_id: str) -> str
         "out_origin": r.out_origin, "recurrence_lines": plan.recurrence.describe(),
         "arg_text": sympy.sstr(plan.arg.subs(xv, sympy.Symbol(r.x))),
         "arg_expr": _check(triton_expr(plan.arg), {"xv"}), "darg_expr": _check(triton_expr(plan.darg), {"xv"}),
-        "layout": plan.layout, "c_axes": r.c_axes, "mode": plan.basis_eval,
+        "layout": plan.layout, "c_axes": r.c_axes, "mode": plan.basis_eval, "split": MATMUL[plan.matmul],
+        **_recurrence_context(plan),
     }
-    # degrees whose derivative is identically zero (sympy): dX skips them
-    ctx["dzero"] = {k for k, dp in enumerate(plan.recurrence.dinitial) if k < D and sympy.simplify(dp) == 0}
-    ctx["dstart"] = next(k for k in range(D + 1) if k not in ctx["dzero"])
     table = plan.table
     ctx["lut"] = table is not None
     if table is not None:
@@ -76,25 +122,20 @@ def render_polykan_op(program: ir.Program, plan: PolyKANPlan, op_id: str) -> str
             mode_text=f"lookup table in t = {table.param.name}, {table.entries} entries, linear interpolation "
                       f"(measured max relative error {table.error:.3g}, derivatives {table.derror:.3g})",
         )
-        ctx.update(rec_values=[], rec_derivs=[])
     else:
-        values, derivs = [], []
-        names = {"u"} | {f"p{k}" for k in range(D)} | {f"dp{k}" for k in range(D)}
-        for k, (p, dp) in enumerate(plan.recurrence.terms(D)):
-            p_text = _check(triton_expr(p.subs(U, u)), names)
-            dp_text = _check(triton_expr(dp.subs(U, u)), names)
-            values.append(f"p{k} = tl.zeros_like(u) + ({p_text})  # P_{k}, {r.basis_origin}")
-            derivs.append(f"dp{k} = tl.zeros_like(u) + ({dp_text})  # P'_{k} (derivative recurrence)")
-        ctx.update(rec_values=values, rec_derivs=derivs,
-                   mode_text="the recurrence, unrolled in fp32 (values and derivatives)")
+        ctx.update(mode_text="the recurrence, in fp32, carried through a loop over degrees (values and "
+                             "derivatives)")
     x_axes, c_axes = program.tensor(r.x).axes, r.c_axes
     out_axes = program.tensor(r.output).axes
+    inverse = tuple(plan.perm.index(k) for k in range(3))
     ctx.update(
         x_name=r.x, c_name=r.coeffs, output=r.output, out_axes=out_axes, batch=r.batch, inp=r.inp, outp=r.outp,
         x_axes=repr(x_axes), c_axes_repr=repr(c_axes), x_origin=program.tensor(r.x).span.origin,
         c_origin=program.tensor(r.coeffs).span.origin,
         x_perm=_perm(tuple(x_axes.index(a) for a in (r.batch, r.inp))),
-        c_perm=_perm(plan.perm),
+        x_direct=tuple(x_axes) == (r.batch, r.inp),
+        c_perm=_perm(plan.perm), c_perm_tuple=repr(plan.perm), c_inverse=repr(inverse),
+        c_identity=plan.perm == (0, 1, 2), o_axis=c_axes.index(r.outp),
         out_perm=_perm(tuple((r.batch, r.outp).index(a) for a in out_axes)),
         axes_table=repr({a.name: (a.fixed, a.factors) for a in program.axes}),
     )

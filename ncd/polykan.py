@@ -16,7 +16,6 @@ Also here: `PolyKANLayer` and `ChebyKANLayer`, nn.Modules over the shipped specs
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -34,7 +33,7 @@ from .symbolic import SYMPY_FUNCTIONS, to_sympy, triton_expr
 
 X = sympy.Symbol("xv", real=True)  # the input element inside the kernels
 BASIS_EVAL = ("lut", "recurrence")
-OPTIONS = ("basis_eval", "lut_budget")
+OPTIONS = ("basis_eval", "lut_budget", "matmul")
 
 
 class UnsupportedPolyKAN(NcdError):
@@ -200,69 +199,128 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(frozen=True)
-class Launch:
-    """One kernel's launch: grid, blocks (fwd: BM BN BI; dX: BM BI BO; dC: BI BO BM), split of the reduced axis."""
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
-    grid: tuple[int, int, int]
-    blocks: tuple[int, int, int]
-    split: int
-    per_split: int  # elements of the reduced axis per split
-    warps: int
-    stages: int
 
-    def describe(self, reduced: str) -> str:
-        tail = f"split-{reduced} {self.split} (partial + combine)" if self.split > 1 else "no split"
-        return (f"grid {self.grid[0]}x{self.grid[1]}x{self.grid[2]} = {math.prod(self.grid)} programs, blocks "
-                f"{self.blocks}, {tail}, {self.warps} warps, {self.stages} stages")
+# The fused regime's backward reduces the batch in chunks of at most 64 rows; more chunks than this, or dC
+# partials (one [deg, inp, outp] slab per chunk) larger than this many elements, select the GEMM regime.
+FUSED_MAX_CHUNKS = 8
+FUSED_MAX_PARTIALS = 1 << 24
+# GEMM regime, per operand split: (BM, BN, BK, warps, stages). tf32 parts are fp32 words (BK 32: 64 KiB of
+# operands per stage); bf16 parts are half the bytes, so BK doubles for the same shared memory.
+GEMM_CONFIGS = {"tf32": (128, 128, 32, 8, 3), "bf16": (128, 128, 64, 8, 3)}
+MATMUL = {"tf32x3": "tf32", "bf16x3": "bf16"}  # family option -> operand split of the GEMM regime
 
 
 @dataclass(frozen=True)
 class Tiling:
-    fwd: Launch
-    dx: Launch
-    dc: Launch
+    """Launch decisions for one problem size.
 
-    def launches(self) -> tuple[int, int]:
-        return 1 + (self.fwd.split > 1), 2 + (self.dx.split > 1) + (self.dc.split > 1)
+    regime "fused" (launch-bound sizes): one forward kernel (output tiles x split of inp, last-arriving
+    program per tile combines the partials in fixed order) and one backward kernel computing dX and dC
+    together per (inp tile, outp tile, batch chunk): dX partials per outp tile and dC partials per batch
+    chunk are combined the same way. regime "gemm" (large sizes): the basis materialised once per element
+    as split operands, then tensor-core GEMMs with K-major operands."""
+
+    regime: str
+    # fused forward: blocks (BM, BN, BI), split of inp, inp elements per split, output tiles (m x n), n tiles
+    fwd_blocks: tuple[int, int, int] = (0, 0, 0)
+    fwd_split: int = 1
+    fwd_per_split: int = 0
+    fwd_tiles: int = 0
+    fwd_tiles_n: int = 0
+    # fused backward: blocks (BM, BI, BO), batch chunks, (inp x outp) tiles, outp tiles
+    bwd_blocks: tuple[int, int, int] = (0, 0, 0)
+    bwd_chunks: int = 1
+    bwd_tiles: int = 0
+    bwd_tiles_o: int = 0
+    warps: int = 4
+    stages: int = 3
+    # gemm regime: (BM, BN, BK, warps, stages) and the basis kernel's blocks (batch, inp)
+    gemm: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+    basis_blocks: tuple[int, int] = (32, 32)
+
+    def launches(self, basis_eval: str) -> tuple[int, int]:
+        """Kernel launches of (forward with grad, backward) in eager mode."""
+        if self.regime == "fused":
+            return 1, 1
+        return 3, 3
+
+    def describe(self, r: PolyKANRoles, basis_eval: str) -> list[str]:
+        if self.regime == "fused":
+            bm, bn, bi = self.fwd_blocks
+            fwd = (f"  forward  (x, C -> {r.output}): {self.fwd_tiles} output tiles [{bm} x {bn}] x split-{r.inp} "
+                   f"{self.fwd_split} ({self.fwd_per_split} {r.inp} per split, blocks of {bi}) = "
+                   f"{self.fwd_tiles * self.fwd_split} programs" + (
+                       "; partials combined in fixed order by the last-arriving program of each tile (atomic "
+                       "counter per tile, reset by that program): one launch" if self.fwd_split > 1 else ""))
+            bb, bi2, bo = self.bwd_blocks
+            bwd = (f"  backward (dy, x, C -> d{r.x}, d{r.coeffs}): one kernel, {self.bwd_tiles} ({r.inp} x {r.outp}) "
+                   f"tiles [{bi2} x {bo}] x {self.bwd_chunks} {r.batch} chunk(s) of {bb} = "
+                   f"{self.bwd_tiles * self.bwd_chunks} programs; dX partials per {r.outp} tile "
+                   f"({self.bwd_tiles_o}) and dC partials per {r.batch} chunk combined by the last-arriving "
+                   "program (two-stage, fixed order, no per-element atomics)")
+            pre = ("  basis (LUT): evaluated inside the forward kernel, once per element: the programs of a (batch "
+                   "tile, split) group each write a share of the degrees of P_d and P'_d du/dx into [batch deg inp] "
+                   "and wait for the group (arrival counter; a member that waits too long evaluates the slice "
+                   "itself); saved for the backward" if basis_eval == "lut" else
+                   "  basis (recurrence): evaluated inside the contraction kernels, in registers")
+            return [pre, fwd, bwd]
+        bm, bn, bk, w, s = self.gemm
+        return [
+            f"  basis: one kernel evaluates P_d (and P'_d du/dx) once per element, written as split operands "
+            f"[{r.batch}, {r.deg}*{r.inp}] (and transposed for dC)",
+            f"  forward: coefficients transposed and split once per call, then y = Phi . C^T as one GEMM; "
+            f"blocks {bm}x{bn}x{bk}, {w} warps, {s} stages; the tensor-core accumulator is added into an fp32 "
+            "sum every 1024 of K (the generated module's GEMM_KCHUNK)",
+            f"  backward: dX = sum_d P'_d du/dx (dy . C_d^T) with the degree sum in the GEMM epilogue; "
+            f"dC = Phi^T . dy as one GEMM (the {r.batch} reduction is the GEMM's K loop: no partials)",
+        ]
 
 
-def _split(tiles: int, blocks: int, target: int) -> tuple[int, int]:
-    """Split `blocks` reduction blocks so that tiles * split reaches `target` programs: (split, blocks each)."""
-    want = max(1, min(blocks, _cdiv(target, max(tiles, 1))))
-    per = _cdiv(blocks, want)
-    return _cdiv(blocks, per), per
-
-
-def tiling(batch: int, inp: int, outp: int, degrees: int, sms: int, interpret: bool = False) -> Tiling:
-    """Output-aligned 2D tiles; the reduced axis (inp for the forward, outp for dX, batch for dC) is split so
-    that small problems still give about two programs per SM; one config under the CPU interpreter."""
+def tiling(batch: int, inp: int, outp: int, degrees: int, sms: int, interpret: bool = False,
+           split: str = "tf32", regime: str | None = None,
+           fused: tuple[int, int, int, int, int, int] | None = None) -> Tiling:
+    """The regime and its tiles: the largest tiles giving at least 1.5 programs per SM, the input axis split
+    towards two per SM; one small config under the CPU interpreter. `regime` forces "fused" or "gemm" (tests);
+    `fused` = (forward BN, forward BI, backward BI, backward BO, warps, stages) overrides the fused choice."""
     target = 2 * sms
+    enough = sms + sms // 2
+    chunk = 16 if interpret else min(64, max(16, _pow2(batch)))
+    chunks = _cdiv(batch, chunk)
+    if regime is None:
+        regime = "fused" if chunks <= FUSED_MAX_CHUNKS and (
+            chunks == 1 or chunks * degrees * inp * outp <= FUSED_MAX_PARTIALS) else "gemm"
+    if regime == "gemm":
+        gemm = (16, 16, 16, 1, 1) if interpret else GEMM_CONFIGS[split]
+        return Tiling("gemm", gemm=gemm, basis_blocks=(16, 16) if interpret else (32, 32))
     if interpret:
-        bm, bn, bi, bo, warps, stages = 16, 16, 16, 16, 1, 1
-        fb, xb, cb = (bm, bn, bi), (bm, bi, bo), (bi, bo, bm)
-        fw = xw = cw = warps
+        fb, bb = (16, 16, 16), (16, 16, 16)
+        warps, stages = 1, 1
     else:
-        bm = 16 if batch <= 16 else 32 if batch <= 32 else 64 if batch <= 64 else (
-            128 if batch * outp >= 128 * 128 * sms // 2 else 64)
-        fb = (bm, 128 if bm == 128 else 64, 32)
-        xb = (bm, 64 if bm == 128 else 32, 64)
-        big = batch * degrees >= 4096
-        cb = (128, 128, 32) if big and inp >= 128 and outp >= 128 else (32, 64, 32)
-        fw = 8 if fb[0] * fb[1] >= 128 * 128 else 4
-        xw = 8 if xb[0] * xb[1] >= 128 * 64 else 4
-        cw = 8 if cb[0] * cb[1] >= 128 * 128 else 4
-        stages = 3
-    tiles = _cdiv(batch, fb[0]) * _cdiv(outp, fb[1])
-    s, per = _split(tiles, _cdiv(inp, fb[2]), target)
-    fwd = Launch((_cdiv(batch, fb[0]), _cdiv(outp, fb[1]), s), fb, s, per * fb[2], fw, stages)
-    tiles = _cdiv(batch, xb[0]) * _cdiv(inp, xb[1])
-    s, per = _split(tiles, _cdiv(outp, xb[2]), target)
-    dx = Launch((_cdiv(batch, xb[0]), _cdiv(inp, xb[1]), s), xb, s, per * xb[2], xw, stages)
-    tiles = _cdiv(inp, cb[0]) * degrees * _cdiv(outp, cb[1])
-    s, per = _split(tiles, _cdiv(batch, cb[2]), target)
-    dc = Launch((_cdiv(inp, cb[0]) * degrees, _cdiv(outp, cb[1]), s), cb, s, per * cb[2], cw, stages)
-    return Tiling(fwd, dx, dc)
+        bm = min(64, max(16, _pow2(batch)))
+        fb = (bm, 16, 16)
+        for bn, bi in ((64, 32), (64, 16), (32, 16)):
+            fb = (bm, bn, bi)
+            if _cdiv(batch, bm) * _cdiv(outp, bn) * _cdiv(inp, bi) >= enough:
+                break
+        bb = (chunk, 16, 16)
+        for bi, bo in ((32, 64), (32, 32), (16, 32), (16, 16)):
+            bb = (chunk, bi, bo)
+            if _cdiv(inp, bi) * _cdiv(outp, bo) * chunks >= enough:
+                break
+        warps, stages = 4, 3
+        if fused is not None:
+            fb, bb = (bm, fused[0], fused[1]), (chunk, fused[2], fused[3])
+            warps, stages = fused[4], fused[5]
+    tiles_n = _cdiv(outp, fb[1])
+    tiles = _cdiv(batch, fb[0]) * tiles_n
+    blocks = _cdiv(inp, fb[2])
+    want = max(1, min(blocks, _cdiv(target, tiles)))
+    per = _cdiv(blocks, want)
+    return Tiling("fused", fb, _cdiv(blocks, per), per * fb[2], tiles, tiles_n, bb, chunks,
+                  _cdiv(inp, bb[1]) * _cdiv(outp, bb[2]), _cdiv(outp, bb[2]), warps, stages)
 
 
 # --- the plan ------------------------------------------------------------------------------------------------
@@ -288,6 +346,7 @@ class PolyKANPlan:
     perm: tuple[int, int, int]
     bindings: dict[str, int]
     note: str = ""
+    matmul: str = "tf32x3"  # the GEMM regime's split products (MATMUL)
 
     @property
     def output(self) -> str:
@@ -327,25 +386,26 @@ class PolyKANPlan:
                 "derivative through t(u)",
             ]
         else:
-            lines.append("  basis evaluation: the recurrence, unrolled in fp32 (values and derivatives)"
+            lines.append("  basis evaluation: the recurrence in fp32, carried through the loop over degrees "
+                         "(values and derivatives)"
                          + (f" — {self.note}" if self.note else ""))
         lines += [
             f"  coefficient layout (layout pass): spec [{' '.join(r.c_axes)}] -> kernel [{' '.join(self.layout)}] "
             f"(permute{self.perm}); one dense [{r.inp} {r.outp}] matrix per degree, {r.outp} unit-stride; a "
             "tensor whose strides already give this layout is read without a copy",
-            "  matrix products: tl.dot, input_precision tf32x3 on the GPU (three TF32 products, fp32 accuracy), "
-            "ieee in the CPU interpreter; fp32 accumulation",
+            "  matrix products (fp32 in, fp32 accumulation): launch-bound sizes use tl.dot with input_precision "
+            "tf32x3 (three TF32 products, fp32 accuracy); large sizes split each operand once per element into "
+            f"{MATMUL[self.matmul]} parts (hi + lo) and issue the three products hi.lo + lo.hi + hi.hi as plain "
+            f"tensor-core dots (option matmul={self.matmul}); ieee in the CPU interpreter",
         ]
         b = {a: self.bindings.get(a, 1) for a in (r.batch, r.inp, r.outp)}
-        til = tiling(b[r.batch], b[r.inp], b[r.outp], self.degrees, GPU_SMS)
-        fwd_n, bwd_n = til.launches()
+        til = tiling(b[r.batch], b[r.inp], b[r.outp], self.degrees, GPU_SMS, split=MATMUL[self.matmul])
+        fwd_n, bwd_n = til.launches(self.basis_eval)
         lines += [
-            f"tiling at {' '.join(f'{k}={v}' for k, v in b.items())} ({GPU_SMS} SMs):",
-            f"  forward  (x, C -> {r.output}): " + til.fwd.describe(r.inp),
-            f"  backward dX (dy, C -> d{r.x}):  " + til.dx.describe(r.outp),
-            f"  backward dC (x, dy -> d{r.coeffs}): " + til.dc.describe(r.batch),
-            f"  launches: forward {fwd_n}, backward {bwd_n}; no atomics (two-stage reduction: partials, then "
-            "one combine kernel)",
+            f"tiling at {' '.join(f'{k}={v}' for k, v in b.items())} ({GPU_SMS} SMs): regime {til.regime}",
+            *til.describe(r, self.basis_eval),
+            f"  launches per training step (eager): forward {fwd_n}, backward {bwd_n}; the eager path calls the "
+            "kernels from a torch.autograd.Function (torch.compile sees a torch.library custom op)",
         ]
         return lines
 
@@ -386,6 +446,9 @@ def plan_polykan(front: FrontEnd, bindings: dict[str, int]) -> PolyKANPlan | Non
         raise UnsupportedPolyKAN(None, detail="lut_budget must be a number") from None
     if not (1e-7 <= budget <= 1e-1):
         raise UnsupportedPolyKAN(None, detail=f"lut_budget must lie in [1e-7, 0.1], got {budget:g}")
+    matmul = front.option("matmul", "tf32x3")
+    if matmul not in MATMUL:
+        raise UnsupportedPolyKAN(None, detail=f"matmul must be one of {tuple(MATMUL)}, got {matmul!r}")
     degrees = program.axis(roles.deg).fixed or 1
     darg = sympy.diff(g, X)
     try:
@@ -409,7 +472,7 @@ def plan_polykan(front: FrontEnd, bindings: dict[str, int]) -> PolyKANPlan | Non
         if program.axis(a).fixed is not None:
             bound[a] = program.axis(a).fixed or 1
     return PolyKANPlan(roles, rec, degrees, g, darg, domain, mode, requested, budget, choice, layout, perm, bound,
-                       note)
+                       note, matmul)
 
 
 # --- nn.Modules ----------------------------------------------------------------------------------------------
@@ -463,6 +526,7 @@ class PolyKANLayer(nn.Module):
         self.basis = basis
         self.layout = layout
         self._op = basis_op(basis, degree, basis_eval, cache_dir)
+        self._fn = self._op.fn  # the generated op function (no Op.__call__ hop per step)
         if layout == "kernel":
             storage = torch.empty(degree + 1, input_dim, output_dim)
             coeffs = nn.Parameter(storage.permute(1, 2, 0))
@@ -476,9 +540,9 @@ class PolyKANLayer(nn.Module):
         return getattr(self, self._coeffs_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.reshape(x, (-1, self.inputdim))
-        y = self._op(x, self.coefficients)
-        return y.view(-1, self.outdim)
+        if x.dim() != 2 or x.shape[1] != self.inputdim:
+            x = torch.reshape(x, (-1, self.inputdim))  # leading dims flattened, as ChebyKAN does
+        return self._fn(x, self._parameters[self._coeffs_name])  # [batch, output_dim] already
 
     def extra_repr(self) -> str:
         return (f"input_dim={self.inputdim}, output_dim={self.outdim}, degree={self.degree}, basis={self.basis!r}, "

@@ -12,6 +12,7 @@ recurrence mode is near fp32 rounding (1e-7 .. 2e-6).
 from __future__ import annotations
 
 import ast
+import contextlib
 
 import pytest
 import torch
@@ -58,42 +59,142 @@ def _poisoned(op):
     return op
 
 
-def _check_layer(basis: str, degree: int, basis_eval: str, sizes=(23, 37, 19), scale: float = 1.5) -> None:
+@contextlib.contextmanager
+def _regime(op, regime):
+    """Force the fused or the gemm regime for this op (plans are cached per size: cleared around it)."""
+    module = op.module
+    module.FORCE_REGIME = regime
+    module._PLANS.clear()
+    try:
+        yield module
+    finally:
+        module.FORCE_REGIME = None
+        module._PLANS.clear()
+
+
+def _check_layer(basis: str, degree: int, basis_eval: str, sizes=(23, 37, 19), scale: float = 1.5,
+                 regime: str | None = None, matmul: str = "tf32x3", tol: float = TOL) -> None:
     b, i, o = sizes
-    op = _poisoned(ncd.polykan.basis_op(basis, degree, basis_eval))
+    if matmul == "tf32x3":
+        op = _poisoned(ncd.polykan.basis_op(basis, degree, basis_eval))
+    else:
+        op = _poisoned(ncd.load(spec_path(basis), sizes={"deg": degree + 1},
+                                options={"basis_eval": basis_eval, "matmul": matmul}))
     x = (torch.randn(b, i, dtype=torch.float64) * scale)
     c = torch.randn(i, o, degree + 1, dtype=torch.float64) / (i * (degree + 1)) ** 0.5
-    xf, cf = x.float().requires_grad_(True), c.float().requires_grad_(True)
-    y = op(xf, cf)
-    gy = torch.randn_like(y)
-    dx, dc = torch.autograd.grad(y, [xf, cf], gy)
+    with _regime(op, regime) as module:
+        # the coefficients stored in the kernel layout [deg, in, out] behind the spec-shaped view (direct path)
+        xf, cf = x.float().requires_grad_(True), c.float().permute(2, 0, 1).contiguous().permute(1, 2, 0)
+        cf.requires_grad_(True)
+        y = op(xf, cf)
+        gy = torch.randn_like(y)
+        dx, dc = torch.autograd.grad(y, [xf, cf], gy)
+        assert dc.stride() == cf.stride()
+        plans = list(module._PLANS.values())
+        assert plans and all(p.til.regime == (regime or "fused") for p in plans)
+        if regime != "gemm":  # the test sizes take every two-stage path: split forward, dX and dC partials
+            til = plans[0].til
+            assert til.fwd_split > 1 and til.bwd_tiles_o > 1 and til.bwd_chunks > 1, til
+        # every counter was reset by the program that combined its tile
+        assert all(int(cnt.abs().sum()) == 0 for _, cnt in module._BUFFERS.values())
+        # deterministic: the same call again gives the same bits
+        y2 = op(xf, cf)
+        assert torch.equal(y, y2)
     xd, cd = x.clone().requires_grad_(True), c.clone().requires_grad_(True)
     yr = torch.einsum("bid,iod->bo", basis_ref(torch.tanh(xd), degree, basis), cd)
     dxr, dcr = torch.autograd.grad(yr, [xd, cd], gy.double())
     errors = {"y": rel(y, yr), "dx": rel(dx, dxr), "dC": rel(dc, dcr)}
-    assert all(e < TOL for e in errors.values()), errors
+    assert all(e < tol for e in errors.values()), errors
 
 
 @pytest.mark.parametrize("basis", BASES)
 @pytest.mark.parametrize("degree", [3, 8, 24])
 def test_lut_forward_and_gradients(basis, degree):
+    """Fused regime, LUT: the basis kernel (table once per element), the split forward, the fused backward."""
     _check_layer(basis, degree, "lut")
 
 
-@pytest.mark.parametrize(("basis", "degree"), [("chebyshev", 8), ("legendre", 3), ("hermite", 24)])
+@pytest.mark.parametrize("basis", BASES)
+@pytest.mark.parametrize("degree", [3, 8, 24])
 def test_recurrence_mode(basis, degree):
+    """Fused regime, exact recurrence carried through the degree loop inside the contraction kernels."""
     _check_layer(basis, degree, "recurrence", sizes=(19, 21, 17))
 
 
+@pytest.mark.parametrize("basis", BASES)
+@pytest.mark.parametrize("degree", [3, 8, 24])
 @pytest.mark.parametrize("basis_eval", ["lut", "recurrence"])
-def test_saturated_inputs_give_finite_gradients(basis_eval):
+def test_gemm_regime(basis, degree, basis_eval):
+    """GEMM regime: split operands (tf32 parts), transposes, the basis kernel's three outputs, dX epilogue."""
+    _check_layer(basis, degree, basis_eval, sizes=(21, 19, 23), regime="gemm")
+
+
+def test_lut_forward_group_evaluation():
+    """The LUT forward evaluates the table inside the kernel: the members' degree shares cover Phi and dPhi
+    (fallback off), and members that do not wait evaluate everything themselves (same bits)."""
+    op = _poisoned(ncd.polykan.basis_op("hermite", 8, "lut"))
+    x = torch.randn(23, 37)
+    c = torch.randn(9, 37, 19) / 37  # kernel layout [deg, in, out]
+    with _regime(op, "fused") as module:
+        y, (phi, dphi) = module.forward_impl(x, c, 19, True, True)
+        assert module._PLANS[next(iter(module._PLANS))].til.fwd_tiles_n > 1
+        spins, fallback = module.LUT_WAIT_SPINS, module.LUT_FALLBACK
+        try:
+            module.LUT_FALLBACK = False  # shares only (the interpreter's early members stop waiting at once)
+            module._PLANS.clear()
+            _, (phi2, dphi2) = module.forward_impl(x, c, 19, True, True)
+            assert torch.equal(phi2, phi) and torch.equal(dphi2, dphi)
+            module.LUT_FALLBACK, module.LUT_WAIT_SPINS = True, 0  # nobody waits: everyone evaluates everything
+            module._PLANS.clear()
+            y3, (phi3, _) = module.forward_impl(x, c, 19, True, True)
+            assert torch.equal(y3, y) and torch.equal(phi3, phi)
+        finally:
+            module.LUT_WAIT_SPINS, module.LUT_FALLBACK = spins, fallback
+
+
+@pytest.mark.parametrize("regime", ["fused", "gemm"])
+def test_bf16x3_parts(regime):
+    """matmul=bf16x3: bf16 hi + lo parts (about 2^-16 relative per product: within the tolerance)."""
+    _check_layer("chebyshev", 8, "lut", sizes=(21, 19, 23), regime=regime, matmul="bf16x3")
+
+
+@pytest.mark.parametrize("regime", ["fused", "gemm"])
+@pytest.mark.parametrize("basis_eval", ["lut", "recurrence"])
+def test_one_gradient_and_no_grad(regime, basis_eval):
+    """Only dX, only dC, and the no-grad forward; the compile-path entry points (forward / backward)."""
+    op = _poisoned(ncd.polykan.basis_op("legendre", 8, basis_eval))
+    x = torch.randn(17, 21, dtype=torch.float64)
+    c = torch.randn(21, 13, 9, dtype=torch.float64) / 21
+    xd, cd = x.clone().requires_grad_(True), c.clone().requires_grad_(True)
+    yr = torch.einsum("bid,iod->bo", basis_ref(torch.tanh(xd), 8, "legendre"), cd)
+    gy = torch.randn_like(yr)
+    dxr, dcr = torch.autograd.grad(yr, [xd, cd], gy)
+    with _regime(op, regime) as module:
+        with torch.no_grad():
+            assert rel(op(x.float(), c.float()), yr) < TOL
+        xf = x.float().requires_grad_(True)
+        (dx,) = torch.autograd.grad(op(xf, c.float()), [xf], gy.float())
+        assert rel(dx, dxr) < TOL
+        cf = c.float().requires_grad_(True)
+        (dc,) = torch.autograd.grad(op(x.float(), cf), [cf], gy.float())
+        assert rel(dc, dcr) < TOL
+        ck = c.float().permute(2, 0, 1).contiguous()
+        assert rel(module.forward(x.float(), ck), yr) < TOL
+        dxk, dck = module.backward(gy.float(), x.float(), ck)
+        assert rel(dxk, dxr) < TOL and rel(dck.permute(1, 2, 0), dcr) < TOL
+
+
+@pytest.mark.parametrize("regime", ["fused", "gemm"])
+@pytest.mark.parametrize("basis_eval", ["lut", "recurrence"])
+def test_saturated_inputs_give_finite_gradients(basis_eval, regime):
     op = _poisoned(ncd.polykan.basis_op("chebyshev", 8, basis_eval))
     x = torch.where(torch.rand(9, 13) < 0.5, -1.0, 1.0) * (10 + 20 * torch.rand(9, 13))
     x[0, 0] = 1e30
     x.requires_grad_(True)
     c = torch.randn(13, 11, 9, requires_grad=True)
-    y = op(x, c)
-    dx, dc = torch.autograd.grad(y, [x, c], torch.randn_like(y))
+    with _regime(op, regime):
+        y = op(x, c)
+        dx, dc = torch.autograd.grad(y, [x, c], torch.randn_like(y))
     assert torch.isfinite(y).all() and torch.isfinite(dx).all() and torch.isfinite(dc).all()
     # at u = +-1 the basis is exact: T_d(1) = 1, T_d(-1) = (-1)^d
     signs = torch.sign(x.detach())
@@ -234,3 +335,41 @@ def test_polykan_layer_bases():
         assert rel(layer(x.float()), ref) < TOL
     with pytest.raises(ValueError):
         PolyKANLayer(6, 4, 5, basis="bessel")
+
+
+def test_direct_launch_wrapper():
+    """After the first (JIT) launch, later launches call the compiled kernel's launcher with the JIT's
+    argument order: grid, stream, function, metadata, hooks, then every parameter in signature order."""
+    module = ncd.polykan.basis_op("chebyshev", 3).module
+    calls: list = []
+
+    class Compiled:
+        function, packed_metadata = "function", "packed"
+
+        def launch_metadata(self, *args):
+            return "launch-metadata"
+
+        def run(self, *args):
+            calls.append(args)
+
+    class Fn:
+        arg_names = ("a", "b", "C1", "C2")
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(("jit", grid, args, kwargs)) or Compiled()
+
+    fast = module.FAST_LAUNCH
+    module.FAST_LAUNCH = True
+    try:
+        k = module._K(Fn(), (2, 3), {"C1": 1, "C2": "x"}, warps=4, stages=2)
+        k(77, "A", "B")
+        assert k.why == "direct"
+        assert calls[0] == ("jit", (2, 3, 1), ("A", "B"), {"C1": 1, "C2": "x", "num_warps": 4, "num_stages": 2})
+        k(77, "A", "B")
+        hooks = module._RUNTIME
+        enter = hooks.launch_enter_hook if hooks is not None else None
+        leave = hooks.launch_exit_hook if hooks is not None else None
+        meta = "launch-metadata" if enter is not None else None
+        assert calls[1] == (2, 3, 1, 77, "function", "packed", meta, enter, leave, "A", "B", 1, "x")
+    finally:
+        module.FAST_LAUNCH = fast
