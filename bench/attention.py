@@ -10,8 +10,11 @@ Run on a CUDA machine, with ncd importable (installed, or the repository root on
    backward variant the generated module offers. Exits non-zero on failure (after the timings).
 2. Timings (``triton.testing.do_bench``, median): bf16, D=128, H=16, B*N=32768 tokens, causal and
    non-causal, N in {1024, 4096, 8192, 16384} (``--quick``: 4096 only). Spherical from the spec (fwd,
-   fwd+bwd), eager PyTorch spherical, ``torch.compile`` of it, SDPA, softmax from the spec.
-   FLOPs: forward 4 B H N^2 D (half when causal), backward 2.5x forward.
+   fwd+bwd; as the op picks the form, and each form forced: ``spherical_streamed``,
+   ``spherical_factorized``), eager PyTorch spherical, ``torch.compile`` of it, SDPA, softmax from the
+   spec. FLOPs: forward 4 B H N^2 D (half when causal), backward 2.5x forward.
+   ``--impls`` restricts the timed implementations, ``--families`` the specs loaded and checked.
+3. ``--breakdown N,...``: per-kernel CUDA times (torch.profiler) of one spherical fwd+bwd per form.
 
 The table is printed last. With $OUT set, the rows go to $OUT/attention_bench.json and the log to
 $OUT/attention_bench.log.
@@ -89,15 +92,15 @@ def spec_scale(family: str) -> float:
     return 1.0 if family == "spherical" else DIM**-0.5
 
 
-def check(ops, log, n: int = 1000) -> bool:
+def check(ops, log, n: int = 1000, variants: bool = True) -> bool:
     ok = True
     batch, heads = 2, 4
     for (family, causal), op in ops.items():
         default = getattr(op.module, "DETERMINISTIC_BWD", None)
-        variants = dict(BWD_VARIANTS) if default is not None else {"default": None}
+        bwd = dict(BWD_VARIANTS) if default is not None and variants else {"default": None}
         forms = {"factorized": "always", "streamed": "never"} if hasattr(op.module, "FACTORIZE") else {"": None}
         cases = [(f"{v}{'+' + f if f else ''}", flag, form)
-                 for v, flag in variants.items() for f, form in forms.items()]
+                 for v, flag in bwd.items() for f, form in forms.items()]
         for vname, flag, form in cases:
             if flag is not None:
                 op.module.DETERMINISTIC_BWD = flag
@@ -135,13 +138,13 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool):
+def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool, impls=None):
     batch = TOKENS // n
     gen = torch.Generator(device="cuda").manual_seed(n + causal)
     q, k, v = (torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE, generator=gen).requires_grad_()
                for _ in range(3))
     grad = torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE, generator=gen)
-    sph, smx = ops[("spherical", causal)], ops[("softmax", causal)]
+    sph, smx = ops[("spherical", causal)], ops.get(("softmax", causal))
     flops = 4.0 * batch * HEADS * n * n * DIM * (0.5 if causal else 1.0)
 
     def fwd(fn):
@@ -174,11 +177,11 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool):
     def comp(q_, k_, v_):
         return compiled(q_, k_, v_, causal)
 
-    def streamed(module, run):
-        """The streamed kernels even where the cost model would pick the factorized form."""
+    def form(module, mode, run):
+        """One form (FACTORIZE = "never": streamed, "always": factorized) whatever the cost model picks."""
         def wrapped():
             old = module.FACTORIZE
-            module.FACTORIZE = "never"
+            module.FACTORIZE = mode
             try:
                 run()
             finally:
@@ -188,16 +191,20 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool):
     cases = [
         ("sdpa", "fwd", fwd(sdpa)), ("sdpa", "fwdbwd", fwdbwd(sdpa)),
         ("spherical", "fwd", fwd(sph)), ("spherical", "fwdbwd", fwdbwd(sph)),
-        ("softmax", "fwd", fwd(smx)), ("softmax", "fwdbwd", fwdbwd(smx)),
+        *([("softmax", "fwd", fwd(smx)), ("softmax", "fwdbwd", fwdbwd(smx))] if smx is not None else []),
         ("eager_spherical", "fwd", fwd(eager)), ("eager_spherical", "fwdbwd", fwdbwd(eager)),
         ("compiled_spherical", "fwd", fwd(comp)), ("compiled_spherical", "fwdbwd", fwdbwd(comp)),
     ]
     if hasattr(sph.module, "FACTORIZE"):
-        cases += [("spherical_streamed", "fwd", streamed(sph.module, fwd(sph))),
-                  ("spherical_streamed", "fwdbwd", streamed(sph.module, fwdbwd(sph)))]
+        cases += [("spherical_streamed", "fwd", form(sph.module, "never", fwd(sph))),
+                  ("spherical_streamed", "fwdbwd", form(sph.module, "never", fwdbwd(sph))),
+                  ("spherical_factorized", "fwd", form(sph.module, "always", fwd(sph))),
+                  ("spherical_factorized", "fwdbwd", form(sph.module, "always", fwdbwd(sph)))]
+    if impls:
+        cases = [c for c in cases if c[0] in impls]
     if variants:
         for name, op in (("spherical", sph), ("softmax", smx)):
-            if hasattr(op.module, "DETERMINISTIC_BWD"):
+            if op is not None and hasattr(op.module, "DETERMINISTIC_BWD"):
                 for vname, flag in BWD_VARIANTS.items():
                     cases.append((f"{name}[{vname}]", "fwdbwd", with_flag(op.module, flag, fwdbwd(op))))
     rows = []
@@ -220,6 +227,35 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool):
         rows.append(row)
         log(json.dumps(row))
     return rows
+
+
+def breakdown(ops, n: int, causal: bool, log) -> None:
+    """Per-kernel CUDA times (torch.profiler) of one spherical forward+backward in each form."""
+    from torch.profiler import ProfilerActivity, profile
+
+    op = ops[("spherical", causal)]
+    batch = TOKENS // n
+    q, k, v = (torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE).requires_grad_() for _ in range(3))
+    grad = torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE)
+    for mode in ("always", "never") if hasattr(op.module, "FACTORIZE") else ("never",):
+        if hasattr(op.module, "FACTORIZE"):
+            op.module.FACTORIZE = mode
+        for _ in range(2):
+            op(q, k, v).backward(grad)
+            q.grad = k.grad = v.grad = None
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                op(q, k, v).backward(grad)
+                q.grad = k.grad = v.grad = None  # as do_bench's grad_to_none: no accumulation kernels
+            torch.cuda.synchronize()
+        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+        log(f"breakdown N={n} causal={causal} FACTORIZE={mode} (per call, us):")
+        for e in events[:10]:
+            log(f"    {e.device_time_total / 5:9.1f}  {e.key[:90]}")
+        if hasattr(op.module, "FACTORIZE"):
+            op.module.FACTORIZE = "auto"
+        q.grad = k.grad = v.grad = None
 
 
 def autotune_choices(ops, log):
@@ -267,17 +303,23 @@ def table(rows, log):
                  _fmt(db), _ratio(db, sb), _fmt(cf), _ratio(cf, sf), _fmt(cb), _ratio(cb, sb), _fmt(ef), _fmt(eb),
                  _fmt(xf), _ratio(df, xf), _fmt(xb), _ratio(db, xb)]
         log("| " + " | ".join(cells) + " |")
-    streamed_rows = [r for r in rows if r["impl"] == "spherical_streamed"]
-    if streamed_rows:
+    form_rows = [r for r in rows if r["impl"] in ("spherical_streamed", "spherical_factorized")]
+    if form_rows:
         log("")
-        log("spherical through the streamed kernels (the factorized form disabled), against SDPA:")
-        log("| N | B | causal | streamed sph fwd | /SDPA fwd | streamed sph fwd+bwd | /SDPA fwd+bwd |")
-        log("|---|---|---|---|---|---|---|")
+        log("spherical by form (FACTORIZE = never / always), against SDPA and torch.compile:")
+        log("| N | B | causal | streamed fwd | /SDPA | factorized fwd | /SDPA | /compile | streamed f+b | /SDPA "
+            "| factorized f+b | /SDPA | /compile |")
+        log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for n, batch, causal in shapes:
-            f, b = by.get((n, causal, "spherical_streamed", "fwd")), by.get((n, causal, "spherical_streamed", "fwdbwd"))
-            df, db = by.get((n, causal, "sdpa", "fwd")), by.get((n, causal, "sdpa", "fwdbwd"))
-            log(f"| {n} | {batch} | {'yes' if causal else 'no'} | {_fmt(f)} | {_ratio(df, f)} | {_fmt(b)} | "
-                f"{_ratio(db, b)} |")
+            def get(impl, mode, n=n, causal=causal):
+                return by.get((n, causal, impl, mode))
+            sf, ff = get("spherical_streamed", "fwd"), get("spherical_factorized", "fwd")
+            sb, fb = get("spherical_streamed", "fwdbwd"), get("spherical_factorized", "fwdbwd")
+            df, db = get("sdpa", "fwd"), get("sdpa", "fwdbwd")
+            cf, cb = get("compiled_spherical", "fwd"), get("compiled_spherical", "fwdbwd")
+            cells = [str(n), str(batch), "yes" if causal else "no", _fmt(sf), _ratio(df, sf), _fmt(ff), _ratio(df, ff),
+                     _ratio(cf, ff), _fmt(sb), _ratio(db, sb), _fmt(fb), _ratio(db, fb), _ratio(cb, fb)]
+            log("| " + " | ".join(cells) + " |")
     variant_rows = [r for r in rows if "[" in r["impl"]]
     if variant_rows:
         log("")
@@ -292,6 +334,9 @@ def main() -> int:
     parser.add_argument("--ns", default="1024,4096,8192,16384")
     parser.add_argument("--budget-s", type=float, default=480.0, help="start no new shape after this")
     parser.add_argument("--no-variants", action="store_true", help="skip timing both backward variants")
+    parser.add_argument("--impls", default="", help="comma list of implementations to time (default: all)")
+    parser.add_argument("--families", default="spherical,softmax", help="spec families to load and check")
+    parser.add_argument("--breakdown", default="", help="comma list of N: per-kernel times of both forms")
     args = parser.parse_args()
     t_start = time.time()
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
@@ -306,9 +351,10 @@ def main() -> int:
     log(f"device={torch.cuda.get_device_name()} torch={torch.__version__} triton={triton.__version__} "
         f"ncd={Path(ncd.__file__).parent} date={time.strftime('%Y-%m-%d %H:%M')} "
         f"sdpa flash={torch.backends.cuda.flash_sdp_enabled()} cudnn={torch.backends.cuda.cudnn_sdp_enabled()}")
-    ops = {key: ncd.load(SPEC_DIR / name) for key, name in SPECS.items()}
+    families = set(args.families.split(","))
+    ops = {key: ncd.load(SPEC_DIR / name) for key, name in SPECS.items() if key[0] in families}
     t0 = time.time()
-    ok = check(ops, log)
+    ok = check(ops, log, variants=not args.no_variants)
     log(f"correctness {'OK' if ok else 'FAILED'} ({time.time() - t0:.0f} s incl. compile and autotune)")
 
     for attr in ("cache_size_limit", "recompile_limit"):
@@ -323,7 +369,11 @@ def main() -> int:
             if time.time() - t_start > args.budget_s:
                 log(f"skip N={n} causal={causal}: over the time budget")
                 continue
-            rows += bench_shape(n, causal, ops, compiled, log, variants=not args.no_variants)
+            rows += bench_shape(n, causal, ops, compiled, log, variants=not args.no_variants,
+                                impls=set(args.impls.split(",")) - {""})
+    for n in [int(x) for x in args.breakdown.split(",") if x]:
+        for causal in (False, True):
+            breakdown(ops, n, causal, log)
     autotune_choices(ops, log)
     if out_dir:
         (out_dir / "attention_bench.json").write_text(json.dumps(

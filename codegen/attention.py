@@ -23,15 +23,19 @@ accumulators by ``a1(m_old - m_new)`` and ``a2(m_old - m_new)``.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 
+from ncd.factorize import Factorization
+
 TEMPLATE_NAME = "attention.py.jinja"
 
 # Origin labels with a fixed place in the generated code; any other label is listed in the header.
-ORIGIN_SITES = ("a1", "a2", "da1", "da2", "b", "db_over_b", "online_max", "causal", "weight", "scale")
+ORIGIN_SITES = ("a1", "a2", "da1", "da2", "b", "db_over_b", "online_max", "causal", "weight", "scale", "factorized")
+CHUNKED_TEMPLATE_NAME = "attention_chunked.py.jinja"
 
 # Names an expression may use besides its free variable.
 _ALLOWED_NAMES = {"tl", "math"}
@@ -135,8 +139,7 @@ def _device_function(fn_name: str, var: str, expr: str, doc: str) -> dict[str, s
     return {"name": fn_name, "var": var, "body": body, "doc": doc}
 
 
-def render_attention_module(spec: AttentionKernelSpec) -> str:
-    """Render the generated Python module (source text) for ``spec``."""
+def _origins(spec: AttentionKernelSpec) -> tuple[dict[str, list[str]], Callable[[str], str]]:
     origin: dict[str, list[str]] = {}
     for label, loc in spec.origin:
         origin.setdefault(label, []).append(loc)
@@ -144,6 +147,15 @@ def render_attention_module(spec: AttentionKernelSpec) -> str:
     def origin_comment(label: str) -> str:
         locs = origin.get(label)
         return f"  # {', '.join(locs)}" if locs else ""
+
+    return origin, origin_comment
+
+
+def render_attention_module(spec: AttentionKernelSpec, factorization: Factorization | None = None) -> str:
+    """Render the generated Python module (source text) for ``spec``; with ``factorization`` (a1, a2
+    polynomials of degree <= 1, <= 2) the module also holds the factorized form's kernels
+    (``templates/attention_chunked.py.jinja``): ``forward_factorized`` / ``backward_factorized``."""
+    origin, origin_comment = _origins(spec)
 
     prefix = f"_{spec.name}"
     same_a = spec.a1.strip() == spec.a2.strip() and spec.da1.strip() == spec.da2.strip()
@@ -174,5 +186,12 @@ def render_attention_module(spec: AttentionKernelSpec) -> str:
         all_origins=list(origin.items()),
         other_origins=other_origins,
     )
+    if factorization is not None:
+        if spec.online_max:
+            raise AttentionSpecError("the factorized form needs polynomial maps (no running max)")
+        text += _environment().get_template(CHUNKED_TEMPLATE_NAME).render(
+            spec=spec, p=prefix, f=factorization, need_vec=bool(factorization.c0 or factorization.e1),
+            origin_comment=origin_comment,
+        )
     ast.parse(text)  # the template must always produce valid Python
     return text

@@ -17,14 +17,16 @@ from .attention import AttentionKernelSpec, _environment, render_attention_modul
 
 
 def kernel_spec(name: str, cert: Certificate, roles: AttentionRoles, maps: KernelMaps,
-                program: ir.Program, forward_configs: tuple[tuple[int, int, int, int], ...] = ()
-                ) -> AttentionKernelSpec:
+                program: ir.Program, forward_configs: tuple[tuple[int, int, int, int], ...] = (),
+                factorized: bool = False) -> AttentionKernelSpec:
     norm_line = cert.span.origin
     out_line = program.tensor(roles.output).span.origin
     origin = [("a1", norm_line), ("a2", norm_line), ("da1", norm_line), ("da2", norm_line), ("b", norm_line),
               ("db_over_b", norm_line), ("online_max", norm_line), ("output", out_line)]
     if roles.causal:
         origin.append(("causal", norm_line))
+    if factorized:
+        origin.append(("factorized", norm_line))
     if roles.weight:
         origin.append(("weight", program.tensor(roles.weight).span.origin))
     if isinstance(roles.scale, str):
@@ -51,8 +53,8 @@ def _default_code(program: ir.Program, tensor: ir.Tensor) -> str:
 def render_attention_op(program: ir.Program, cert: Certificate, roles: AttentionRoles, maps: KernelMaps,
                         op_id: str, forward_configs: tuple[tuple[int, int, int, int], ...] = (),
                         factorization: Factorization | None = None) -> str:
-    spec = kernel_spec(op_id, cert, roles, maps, program, forward_configs)
-    kernels = render_attention_module(spec)
+    spec = kernel_spec(op_id, cert, roles, maps, program, forward_configs, factorization is not None)
+    kernels = render_attention_module(spec, factorization)
     inputs = program.inputs
     params: list[str] = []
     tensor_inputs, scalar_inputs = [], []

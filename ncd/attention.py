@@ -8,7 +8,15 @@ from dataclasses import dataclass
 import sympy
 
 from . import ir
-from .cost import AttentionShape, Estimate, format_estimate, rank_configs
+from .cost import (
+    AttentionShape,
+    Estimate,
+    FormEstimate,
+    factorized_estimate,
+    format_estimate,
+    format_forms,
+    rank_configs,
+)
 from .errors import NotStreamable
 from .factorize import Factorization, factorize
 from .pipeline import FrontEnd
@@ -160,6 +168,8 @@ class AttentionPlan:
     bindings: dict[str, int]
     estimates: tuple[Estimate, ...]
     factorization: Factorization | None = None
+    shape: AttentionShape | None = None
+    factorized_cost: FormEstimate | None = None
 
     def describe(self) -> list[str]:
         r = self.roles
@@ -178,7 +188,17 @@ class AttentionPlan:
         lines.append(f"autotune set: {len(self.estimates)} configs above (pruned from the candidates by "
                      "SMEM and register capacity, ranked by the roofline estimate)")
         if self.factorization is not None:
-            lines += self.factorization.describe()
+            f = self.factorization
+            lines += f.describe()
+            if self.shape is not None and self.factorized_cost is not None and self.estimates:
+                s = self.shape
+                reduced = s.n_query * s.n_key / (s.n_query + s.n_key)
+                chosen = f.chosen(s.n_query, s.n_key, s.head_dim)
+                rule = (f"Nq Nk / (Nq + Nk) = {reduced:g} {'>' if chosen else '<='} {f.crossover:g} * D = "
+                        f"{f.crossover * s.head_dim:g}")
+                lines += format_forms(self.estimates[0], self.factorized_cost, chosen, rule)
+        else:
+            lines.append("forms: streamed only (the factorized form needs a1, a2 polynomials of degree <= 1, <= 2)")
         return lines
 
     @property
@@ -238,7 +258,9 @@ def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan |
         value_dim=bound[r.v_axes[3]], elem_bytes=DTYPE_BYTES.get(q_tensor.dtype or "bf16", 2), causal=r.causal,
     )
     shown = {a: bound[a] for a in dict.fromkeys((*r.q_axes, *r.k_axes))}
-    return AttentionPlan(cert, r, maps, shown, tuple(rank_configs(shape)), factorize(cert, r.causal))
+    factorization = factorize(cert, r.causal)
+    factorized_cost = factorized_estimate(shape, factorization.chunk) if factorization is not None else None
+    return AttentionPlan(cert, r, maps, shown, tuple(rank_configs(shape)), factorization, shape, factorized_cost)
 
 
 def _role_name(r: AttentionRoles, axis: str) -> str:

@@ -117,3 +117,45 @@ def format_estimate(e: Estimate) -> list[str]:
         live = f"{level.live_bytes / 1e6:.1f} MB" if unbounded else f"{level.live_bytes / 1024:.1f} KiB"
         lines.append(f"    {level.level:<9} in {level.bytes_in / 1e6:9.1f} MB   live {live}{cap}")
     return lines
+
+
+@dataclass(frozen=True)
+class FormEstimate:
+    """Forward cost of the factorized (chunked when causal) form: tensor-core FLOPs and HBM bytes."""
+
+    flops: float
+    hbm_bytes: float
+    seconds: float
+    bound: str
+
+
+def factorized_estimate(shape: AttentionShape, chunk: int) -> FormEstimate:
+    """The factorized form's forward (ncd/factorize.py). A scan writes K_w^T [V | K] ([D, 2D] per kv head,
+    one per chunk of `chunk` keys when causal); the output kernel reads Q, the states, and (causal) the keys
+    and values of its own chunk, whose scores it forms as the streamed kernel does on its diagonal."""
+    s = shape
+    kv_heads = max(1, s.batch_heads // s.kv_heads_ratio)
+    state = s.head_dim * (s.head_dim + s.value_dim)
+    states = math.ceil(s.n_query / chunk) if s.causal else 1
+    # scan: K^T [V | K] over the visible keys; output: q [S | M] per query (+ the own chunk's scores)
+    scanned = min(s.n_key, s.n_query) if s.causal else s.n_key
+    flops = 2.0 * kv_heads * scanned * state + 2.0 * s.batch_heads * s.n_query * state
+    if s.causal:
+        flops += 2.0 * s.batch_heads * s.n_query * chunk * (s.head_dim + s.value_dim) * 0.5
+    elem = s.elem_bytes
+    hbm = (s.batch_heads * s.n_query * (s.head_dim + s.value_dim) * elem + s.batch_heads * s.n_query * 4
+           + kv_heads * s.n_key * (s.head_dim + s.value_dim) * elem * (2 if s.causal else 1)
+           + kv_heads * states * state * elem * (1 + s.kv_heads_ratio))
+    rate = H100["flops"] if elem == 2 else H100["flops_fp32"]
+    compute, memory = flops / rate, hbm / H100["hbm"]
+    return FormEstimate(flops, hbm, max(compute, memory), "compute" if compute >= memory else "memory")
+
+
+def format_forms(streamed: Estimate, factorized: FormEstimate, chosen: bool, rule: str) -> list[str]:
+    return [
+        "forms (forward roofline on H100):",
+        f"  streamed   {streamed.flops / 1e9:9.1f} GFLOP  {streamed.seconds * 1e3:.3f} ms ({streamed.bound}-bound)",
+        f"  factorized {factorized.flops / 1e9:9.1f} GFLOP  {factorized.hbm_bytes / 1e6:9.1f} MB HBM  "
+        f"{factorized.seconds * 1e3:.3f} ms ({factorized.bound}-bound)",
+        f"  chosen at these sizes: {'factorized' if chosen else 'streamed'} ({rule})",
+    ]

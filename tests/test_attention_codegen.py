@@ -30,9 +30,18 @@ FAMILIES = {
 }
 
 
-def compiled_kernel_spec(family: str, causal: bool = False, has_weight: bool = False) -> AttentionKernelSpec:
-    """The kernel spec the compiler derives from a small attention spec of this family."""
+# Polynomial maps of degree <= 1, <= 2 with every coefficient non-zero (the factorized form's vector and weight
+# sums), and linear attention with a constant term, for the factorized kernels.
+POLYNOMIAL_FAMILIES = {
+    "poly": ("a1(x) = 0.5 - 2*x, a2(x) = 1 + x + 3*x^2, b(z) = sqrt(z)", lambda s: 0.5 - 2 * s,
+             lambda s: 1 + s + 3 * s * s, torch.sqrt),
+    "linear": ("a1(x) = x, a2(x) = 1 + x, b(z) = z", lambda s: s, lambda s: 1 + s, lambda z: z),
+}
+
+
+def _front(family: str, causal: bool, has_weight: bool):
     extras = (", mask = key <= query" if causal else "") + (", weight = M" if has_weight else "")
+    maps = {**FAMILIES, **POLYNOMIAL_FAMILIES}[family][0]
     text = f"""spec {family}
 axis batch, kvhead, qgroup, query, key
 axis head = kvhead * qgroup
@@ -42,12 +51,18 @@ in K[batch kvhead key dim] : f32
 in V[batch kvhead key dim] : f32
 {"in M[batch key] : f32" if has_weight else ""}
 S[batch head query key] = Q . K over dim
-A[batch head query key] = normalize(S, over key, {FAMILIES[family][0]}{extras})
+A[batch head query key] = normalize(S, over key, {maps}{extras})
 out O[batch head query dim] = A . V over key
 """
     front = front_end(text, f"{family}.ncd")
     plan = plan_attention(front, {})
     assert plan is not None
+    return front, plan
+
+
+def compiled_kernel_spec(family: str, causal: bool = False, has_weight: bool = False) -> AttentionKernelSpec:
+    """The kernel spec the compiler derives from a small attention spec of this family."""
+    front, plan = _front(family, causal, has_weight)
     return kernel_spec(family, plan.certificate, plan.roles, plan.maps, front.program)
 
 
@@ -67,7 +82,7 @@ def softmax_spec(causal=False, has_weight=False):
 
 def reference(family, q, k, v, w, scale, causal):
     """float64 eager reference of o_i = sum_j w_j a1(s_ij) v_j / b(sum_j w_j a2(s_ij))."""
-    _, a1, a2, b = FAMILIES[family]
+    _, a1, a2, b = {**FAMILIES, **POLYNOMIAL_FAMILIES}[family]
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
@@ -209,3 +224,82 @@ def test_heads_fast_grid_order(family, tmp_path):
     ref.backward(grad_o.double())
     for got, want in ((o.detach(), ref.detach()), (q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
         assert rel_err(got, want) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# The factorized (chunked when causal) form: forward_factorized / backward_factorized
+# ---------------------------------------------------------------------------------------------
+
+FACTORIZED_CASES = [
+    # family, causal, weight, (B, Hq, Hkv, Nq, Nk, D), chunk, dtype
+    ("spherical", True, False, (2, 4, 2, 37, 29, 16), 16, torch.float32),
+    ("spherical", True, True, (1, 4, 2, 77, 77, 32), 32, torch.float32),
+    ("spherical", True, True, (1, 2, 1, 45, 20, 16), 16, torch.float32),  # queries past the last key
+    ("spherical", True, False, (1, 2, 2, 20, 45, 16), 32, torch.float32),  # keys past the last query
+    ("spherical", False, True, (2, 4, 2, 37, 77, 16), 16, torch.float32),
+    ("poly", True, True, (1, 4, 2, 77, 37, 32), 32, torch.float32),
+    ("poly", False, True, (2, 2, 1, 37, 29, 16), 16, torch.float32),
+    ("linear", True, False, (1, 2, 1, 37, 37, 16), 16, torch.float32),
+    ("spherical", False, False, (1, 4, 1, 33, 40, 32), 16, torch.bfloat16),
+]
+
+
+def load_factorized_module(family, causal, weight, cache_dir):
+    front, plan = _front(family, causal, weight)
+    assert plan.factorization is not None and plan.factorization.causal == causal
+    spec = kernel_spec(family, plan.certificate, plan.roles, plan.maps, front.program, (), True)
+    text = render_attention_module(spec, plan.factorization)
+    ident = f"kernels_fact_{family}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    return import_generated(ident, lambda: text, cache_dir)[0]
+
+
+def _fact_id(case):
+    family, causal, weight, shape, chunk, dtype = case
+    return "-".join([family, "causal" if causal else "full", "w" if weight else "now", "x".join(map(str, shape)),
+                     f"c{chunk}", str(dtype).removeprefix("torch.")])
+
+
+@pytest.mark.parametrize("case", FACTORIZED_CASES, ids=[_fact_id(c) for c in FACTORIZED_CASES])
+def test_factorized_forward_and_gradients_match_float64_reference(case, tmp_path):
+    family, causal, weight, (batch, hq, hkv, n_q, n_k, dim), chunk, dtype = case
+    module = load_factorized_module(family, causal, weight, tmp_path)
+    module.POISON_OUTPUTS = True  # every output and state buffer starts as NaN
+    module.CHUNK = chunk
+    q, k, v, w = _inputs(batch, hq, hkv, n_q, n_k, dim, dtype, weight, family == "spherical" and not causal)
+    q, k, v = (t.detach() for t in (q, k, v))
+    scale = 0.7 / math.sqrt(dim)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+
+    o, stats = module.forward_factorized(q, k, v, w, scale)
+    assert o.dtype == dtype and o.shape == (batch, hq, n_q, dim) and torch.isfinite(o).all()
+    _, h, _ = stats
+    assert h.shape == (batch * hkv, math.ceil(n_q / chunk) if causal else 1, dim, 2 * dim)
+    grad_o = torch.randn_like(o)
+    dq, dk, dv = module.backward_factorized(grad_o, q, k, v, o, stats, w, scale)
+
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference(family, q64, k64, v64, None if w is None else w.double(), scale, causal)
+    ref.backward(grad_o.double())
+    assert rel_err(o, ref.detach()) < tol
+    for name, got, want in (("dq", dq, q64.grad), ("dk", dk, k64.grad), ("dv", dv, v64.grad)):
+        assert got.dtype == dtype and got.shape == want.shape
+        assert torch.isfinite(got).all(), f"{name}: unwritten (NaN-poisoned) or non-finite"
+        assert rel_err(got, want) < tol, f"{name}: rel err {rel_err(got, want):.2e}"
+
+
+def test_factorized_kernels_render_only_the_coefficients_they_use():
+    front, plan = _front("spherical", True, True)
+    spec = kernel_spec("sph", plan.certificate, plan.roles, plan.maps, front.program, (), True)
+    text = render_attention_module(spec, plan.factorization)
+    names = {n.name for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)}
+    for fn in ("_sph_fact_state_fwd_kernel", "_sph_fact_fwd_kernel", "_sph_fact_dq_kernel",
+               "_sph_fact_state_bwd_kernel", "_sph_fact_dkdv_kernel", "forward_factorized", "backward_factorized"):
+        assert fn in names
+    assert "FACT_NEED_VEC = False" in text and "tl.load(WSUM + state)" not in text  # c0 = e0 = e1 = 0
+    assert "# Factorized form  # spherical.ncd:10" in text  # the normalize line
+    poly_front, poly_plan = _front("poly", False, False)
+    poly = render_attention_module(kernel_spec("poly", poly_plan.certificate, poly_plan.roles, poly_plan.maps,
+                                               poly_front.program, (), True), poly_plan.factorization)
+    assert "FACT_NEED_VEC = True" in poly and "tl.load(WSUM + state)" in poly
+    with pytest.raises(AttentionSpecError, match="polynomial"):
+        render_attention_module(softmax_spec(), poly_plan.factorization)

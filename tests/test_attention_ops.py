@@ -199,16 +199,19 @@ out O[batch head query dim] = A . V over key
 """
 
 
-@pytest.mark.parametrize("source", ["spherical_attention", "gqa_weighted_spherical"])
+@pytest.mark.parametrize("source", ["spherical_attention", "gqa_weighted_spherical", "causal_spherical_attention",
+                                    "causal_gqa_spherical"])
 def test_factorized_form_matches_float64(source, tmp_path, op_cache):
-    if source == "spherical_attention":
-        op = _load(source, op_cache)
-    else:
+    """The op through the factorized kernels (chunks of 16 under the interpreter): forward and gradients."""
+    if source == "gqa_weighted_spherical":
         spec = tmp_path / f"{source}.ncd"
         spec.write_text(GQA_WEIGHTED_SPHERICAL)
         op = ncd.load(spec, cache_dir=op_cache)
+    else:
+        op = _load(source, op_cache)
     assert "factorized form" in "\n".join(plan(op.front).describe())
     op.module.FACTORIZE = "always"
+    op.module.POISON_OUTPUTS = True
     try:
         rows = validate(op, torch.float32)
     finally:
@@ -216,9 +219,41 @@ def test_factorized_form_matches_float64(source, tmp_path, op_cache):
     assert len(rows) == 4 and all(r.ok for r in rows), rows
 
 
-def test_factorization_is_chosen_by_cost_and_only_where_valid(op_cache):
+def test_factorization_is_chosen_by_cost_and_only_where_valid(op_cache, run_cli):
     op = _load("spherical_attention", op_cache)
+    crossover = plan(op.front).factorization.crossover
     assert op.module._use_factorized(4096, 4096, 128) and op.module._use_factorized(2048, 2048, 128)
-    assert not op.module._use_factorized(1024, 1024, 128) and not op.module._use_factorized(37, 29, 128)
-    for stem in ("softmax_attention", "causal_spherical_attention", "signed_l1_attention"):
+    n = int(2 * crossover * 128)  # self-attention: factorized when N > 2 * crossover * D
+    assert op.module._use_factorized(n + 16, n + 16, 128) and not op.module._use_factorized(n - 16, n - 16, 128)
+    assert not op.module._use_factorized(37, 29, 128)
+    causal = plan(ncd.load_spec(next(p for p in SPECS if p.stem == "causal_spherical_attention"))).factorization
+    assert causal is not None and causal.causal
+    for stem in ("softmax_attention", "causal_softmax_attention", "signed_l1_attention", "sigmoid_attention"):
         assert plan(ncd.load_spec(next(p for p in SPECS if p.stem == stem))).factorization is None
+    spec = next(p for p in SPECS if p.stem == "causal_spherical_attention")
+    code, out, err = run_cli("compile", str(spec), "--emit", "plan", "--bind", "query=4096", "--bind", "key=4096")
+    assert code == 0, err
+    assert "chosen at these sizes: factorized" in out and "chunks of 128 keys" in out
+    code, out, _ = run_cli("compile", str(spec), "--emit", "plan", "--bind", "query=64", "--bind", "key=64")
+    assert "chosen at these sizes: streamed" in out
+
+
+def test_factorized_op_registration_and_compile(op_cache):
+    op = _load("causal_spherical_attention", op_cache)
+    q, k, v = _qkv(n=37, m=37, d=128, requires_grad=True)
+    forward = getattr(op.module, f"{op.module.NAME}_factorized_forward")
+    torch.library.opcheck(forward, (q.detach(), k.detach(), v.detach(), None, 1.0),
+                          test_utils=("test_schema", "test_faketensor"))
+    op.module.FACTORIZE = "always"
+    try:
+        eager = op(q, k, v)
+        grads = torch.autograd.grad(eager.sum(), (q, k, v))
+        compiled = torch.compile(op.fn, fullgraph=True, backend="aot_eager")
+        out = compiled(q, k, v)
+        torch.testing.assert_close(out, eager)
+        for g, h in zip(torch.autograd.grad(out.sum(), (q, k, v)), grads, strict=True):
+            torch.testing.assert_close(g, h)
+        op.module.FACTORIZE = "never"
+        torch.testing.assert_close(op(q, k, v), eager, rtol=1e-4, atol=1e-5)
+    finally:
+        op.module.FACTORIZE = "auto"
