@@ -291,14 +291,16 @@ def table(rows, log):
             "| softmax fwd | softmax/SDPA fwd | softmax f+b | softmax/SDPA f+b |")
     log(head)
     log("|" + "---|" * head.count(" | ") + "---|")
+
+    def get(impl, mode, n, causal):
+        return by.get((n, causal, impl, mode))
+
     for n, batch, causal in shapes:
-        def get(impl, mode, n=n, causal=causal):
-            return by.get((n, causal, impl, mode))
-        sf, sb = get("spherical", "fwd"), get("spherical", "fwdbwd")
-        df, db = get("sdpa", "fwd"), get("sdpa", "fwdbwd")
-        cf, cb = get("compiled_spherical", "fwd"), get("compiled_spherical", "fwdbwd")
-        ef, eb = get("eager_spherical", "fwd"), get("eager_spherical", "fwdbwd")
-        xf, xb = get("softmax", "fwd"), get("softmax", "fwdbwd")
+        sf, sb = get("spherical", "fwd", n, causal), get("spherical", "fwdbwd", n, causal)
+        df, db = get("sdpa", "fwd", n, causal), get("sdpa", "fwdbwd", n, causal)
+        cf, cb = get("compiled_spherical", "fwd", n, causal), get("compiled_spherical", "fwdbwd", n, causal)
+        ef, eb = get("eager_spherical", "fwd", n, causal), get("eager_spherical", "fwdbwd", n, causal)
+        xf, xb = get("softmax", "fwd", n, causal), get("softmax", "fwdbwd", n, causal)
         cells = [str(n), str(batch), "yes" if causal else "no", _fmt(sf), _fmt(df), _ratio(df, sf), _fmt(sb),
                  _fmt(db), _ratio(db, sb), _fmt(cf), _ratio(cf, sf), _fmt(cb), _ratio(cb, sb), _fmt(ef), _fmt(eb),
                  _fmt(xf), _ratio(df, xf), _fmt(xb), _ratio(db, xb)]
@@ -311,12 +313,10 @@ def table(rows, log):
             "| factorized f+b | /SDPA | /compile |")
         log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for n, batch, causal in shapes:
-            def get(impl, mode, n=n, causal=causal):
-                return by.get((n, causal, impl, mode))
-            sf, ff = get("spherical_streamed", "fwd"), get("spherical_factorized", "fwd")
-            sb, fb = get("spherical_streamed", "fwdbwd"), get("spherical_factorized", "fwdbwd")
-            df, db = get("sdpa", "fwd"), get("sdpa", "fwdbwd")
-            cf, cb = get("compiled_spherical", "fwd"), get("compiled_spherical", "fwdbwd")
+            sf, ff = get("spherical_streamed", "fwd", n, causal), get("spherical_factorized", "fwd", n, causal)
+            sb, fb = get("spherical_streamed", "fwdbwd", n, causal), get("spherical_factorized", "fwdbwd", n, causal)
+            df, db = get("sdpa", "fwd", n, causal), get("sdpa", "fwdbwd", n, causal)
+            cf, cb = get("compiled_spherical", "fwd", n, causal), get("compiled_spherical", "fwdbwd", n, causal)
             cells = [str(n), str(batch), "yes" if causal else "no", _fmt(sf), _ratio(df, sf), _fmt(ff), _ratio(df, ff),
                      _ratio(cf, ff), _fmt(sb), _ratio(db, sb), _fmt(fb), _ratio(db, fb), _ratio(cb, fb)]
             log("| " + " | ".join(cells) + " |")

@@ -347,19 +347,18 @@ def variants_for(cfg: tuple[int, int, int, int]) -> list[tuple[str, torch.nn.Mod
     out.append(("Triton basis + cuBLAS", TritonCublas(eager).to(DEV)))
     if cfg != LARGE:
         out.append(("floor: autograd.Function, no kernels", Floor(i, o, d).to(DEV)))
-    for name, kw in ((MAIN, {}), ("ncd (recurrence, kernel layout)", {"basis_eval": "recurrence"}),
-                     ("ncd (LUT, spec layout: reorder per step)", {"layout": "spec"})):
-        layer = ChebyKANLayer(i, o, d, **kw).to(DEV)
+    def same_weights(name: str, layer: torch.nn.Module) -> None:
+        layer = layer.to(DEV)
         layer.load_state_dict(eager.state_dict())
         out.append((name, layer))
+
+    for name, kw in ((MAIN, {}), ("ncd (recurrence, kernel layout)", {"basis_eval": "recurrence"}),
+                     ("ncd (LUT, spec layout: reorder per step)", {"layout": "spec"})):
+        same_weights(name, ChebyKANLayer(i, o, d, **kw))
     if cfg == LARGE:
-        layer = bf16_layer(i, o, d).to(DEV)
-        layer.load_state_dict(eager.state_dict())
-        out.append(("ncd (LUT, matmul=bf16x3)", layer))
+        same_weights("ncd (LUT, matmul=bf16x3)", bf16_layer(i, o, d))
     else:
-        layer = ChebyKANLayer(i, o, d).to(DEV)
-        layer.load_state_dict(eager.state_dict())
-        out.append(("ncd (LUT, Triton's JIT launch path)", layer))
+        same_weights("ncd (LUT, Triton's JIT launch path)", ChebyKANLayer(i, o, d))
     return out
 
 

@@ -88,7 +88,11 @@ def _qkv(b=1, h=2, n=19, m=23, d=128, dtype=torch.float32, requires_grad=False):
 
 def test_torch_compile_fullgraph_forward_and_backward(op_cache):
     op = _load("spherical_attention", op_cache)
-    q, k, v = _qkv(requires_grad=True)
+    _assert_compiled_matches_eager(op, *_qkv(requires_grad=True))
+
+
+def _assert_compiled_matches_eager(op, q, k, v):
+    """torch.compile(fullgraph=True) of the op gives the eager output and gradients; returns the eager output."""
     eager = op(q, k, v)
     grads = torch.autograd.grad(eager.sum(), (q, k, v))
     compiled = torch.compile(op.fn, fullgraph=True, backend="aot_eager")
@@ -96,6 +100,7 @@ def test_torch_compile_fullgraph_forward_and_backward(op_cache):
     torch.testing.assert_close(out, eager)
     for g, h in zip(torch.autograd.grad(out.sum(), (q, k, v)), grads, strict=True):
         torch.testing.assert_close(g, h)
+    return eager
 
 
 def test_module_and_custom_op_registration(op_cache):
@@ -246,13 +251,7 @@ def test_factorized_op_registration_and_compile(op_cache):
                           test_utils=("test_schema", "test_faketensor"))
     op.module.FACTORIZE = "always"
     try:
-        eager = op(q, k, v)
-        grads = torch.autograd.grad(eager.sum(), (q, k, v))
-        compiled = torch.compile(op.fn, fullgraph=True, backend="aot_eager")
-        out = compiled(q, k, v)
-        torch.testing.assert_close(out, eager)
-        for g, h in zip(torch.autograd.grad(out.sum(), (q, k, v)), grads, strict=True):
-            torch.testing.assert_close(g, h)
+        eager = _assert_compiled_matches_eager(op, q, k, v)
         op.module.FACTORIZE = "never"
         torch.testing.assert_close(op(q, k, v), eager, rtol=1e-4, atol=1e-5)
     finally:
