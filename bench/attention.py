@@ -328,6 +328,125 @@ def table(rows, log):
             log(f"  N={r['n']:>5} causal={r['causal']!s:5s} {r['impl']:22s} {_fmt(r)}")
 
 
+# --tiles: forced-config sweep of the streamed kernels (tuning aid; the op itself autotunes over _GPU_CONFIGS)
+FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (64, 32, 4, 4),
+             (128, 32, 4, 4), (128, 32, 4, 3), (128, 32, 4, 5), (64, 128, 8, 3), (128, 64, 8, 5)]
+DKDV_TILES = [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 4), (32, 64, 4, 2), (64, 64, 4, 3),
+              (64, 128, 8, 4), (32, 128, 8, 4), (64, 64, 8, 3)]
+FUSED_TILES = [(64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 2), (32, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3),
+               (128, 64, 8, 2), (128, 128, 8, 2)]
+DQ_TILES = [(128, 64, 8, 3), (64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 4),
+            (64, 64, 4, 4), (128, 128, 8, 3)]
+
+
+def _kernel(module, suffix):
+    return next(getattr(module, a) for a in dir(module) if a.endswith(suffix) and "fact" not in a)
+
+
+def _force(kernel, tile):
+    meta = {"BLOCK_M": tile[0], "BLOCK_N": tile[1], "HEADS_FAST": 0}
+    hook = kernel.configs[0].pre_hook
+    kernel.configs = [triton.Config(meta, num_warps=tile[2], num_stages=tile[3], pre_hook=hook)]
+    kernel.cache.clear()
+
+
+def tile_sweep(ops, cases, log, budget_s):
+    """Time each forced tile of the streamed forward (TMA on/off, warp-specialised loop on/off) and of the two
+    deterministic backward kernels; prints the best of each next to SDPA."""
+    deadline = time.time() + budget_s
+    for family, causal, n, kinds in cases:
+        _sweep_case(ops[(family, causal)].module, family, causal, n, kinds, log, deadline)
+
+
+def _sweep_case(module, family, causal, n, kinds, log, deadline):
+    if hasattr(module, "FACTORIZE"):
+        module.FACTORIZE = "never"
+    batch = TOKENS // n
+    q, k, v, do = (torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE) for _ in range(4))
+    flops = 4.0 * batch * HEADS * n * n * DIM * (0.5 if causal else 1.0)
+    sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), return_mode="median")
+    log(f"tiles {family} causal={causal} N={n}: SDPA fwd {sdpa_ms:.3f} ms ({flops / sdpa_ms / 1e9:.0f} TFLOP/s)")
+    saved = {suffix: list(_kernel(module, suffix).configs)
+             for suffix in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_fused_kernel")}
+    try:
+        if "fwd" in kinds:
+            best = None
+            for tma in (False, True):
+                module.USE_TMA = tma
+                for tile in FWD_TILES if tma else FWD_TILES[:1]:
+                    if time.time() > deadline:
+                        break
+                    _force(_kernel(module, "_fwd_kernel"), tile)
+                    try:
+                        ms = do_bench(lambda: module.forward(q, k, v), return_mode="median")
+                    except Exception as exc:  # a tile that does not compile is a result
+                        log(f"  fwd tma={int(tma)} {tile}: {type(exc).__name__}: {str(exc)[:120]}")
+                        continue
+                    log(f"  fwd tma={int(tma)} {tile}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s "
+                        f"{sdpa_ms / ms:.2f}x SDPA")
+                    if best is None or ms < best[0]:
+                        best = (ms, tma, tile)
+            module.USE_TMA = True
+            _kernel(module, "_fwd_kernel").configs = saved["_fwd_kernel"]
+            _kernel(module, "_fwd_kernel").cache.clear()
+            log(f"  best fwd: {best}")
+        if "bwd" in kinds:
+            o, stats = module.forward(q, k, v)
+            for suffix, tiles in (("_bwd_dkdv_kernel", DKDV_TILES), ("_bwd_dq_kernel", DQ_TILES)):
+                best = None
+                for tile in tiles:
+                    if time.time() > deadline:
+                        break
+                    _force(_kernel(module, suffix), tile)
+                    try:
+                        ms = do_bench(lambda: module.backward(do, q, k, v, o, stats), return_mode="median")
+                    except Exception as exc:
+                        log(f"  bwd {suffix} {tile}: {type(exc).__name__}: {str(exc)[:120]}")
+                        continue
+                    log(f"  bwd (all kernels) with {suffix} {tile}: {ms:.3f} ms")
+                    if best is None or ms < best[0]:
+                        best = (ms, tile)
+                kernel = _kernel(module, suffix)
+                kernel.configs = saved[suffix]
+                kernel.cache.clear()
+                log(f"  best {suffix}: {best}")
+        if "fused" in kinds:  # the atomic-dQ backward (5 products per block pair instead of 7)
+            o, stats = module.forward(q, k, v)
+            module.DETERMINISTIC_BWD = False
+            best = None
+            for tile in FUSED_TILES:
+                if time.time() > deadline:
+                    break
+                _force(_kernel(module, "_bwd_fused_kernel"), tile)
+                try:
+                    ms = do_bench(lambda: module.backward(do, q, k, v, o, stats), return_mode="median")
+                except Exception as exc:  # a tile that does not compile is a result
+                    log(f"  bwd fused {tile}: {type(exc).__name__}: {str(exc)[:120]}")
+                    continue
+                log(f"  bwd fused (delta, fused, cast) {tile}: {ms:.3f} ms")
+                if best is None or ms < best[0]:
+                    best = (ms, tile)
+            module.DETERMINISTIC_BWD = True
+            log(f"  best fused: {best}")
+        if "bwd" in kinds:
+            # the op's own autotuned fwd+bwd against SDPA's, as the table times them
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+            def ours():
+                module.attention(qg, kg, vg).backward(do)
+
+            def sdpa():
+                F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal).backward(do)
+            ours_ms, sdpa_ms = (do_bench(f, return_mode="median") for f in (ours, sdpa))
+            log(f"  fwd+bwd autotuned {ours_ms:.3f} ms, SDPA {sdpa_ms:.3f} ms: {sdpa_ms / ours_ms:.2f}x")
+    finally:
+        for suffix, configs in saved.items():
+            _kernel(module, suffix).configs = configs
+            _kernel(module, suffix).cache.clear()
+        if hasattr(module, "FACTORIZE"):
+            module.FACTORIZE = "auto"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="N=4096 only")
@@ -337,6 +456,7 @@ def main() -> int:
     parser.add_argument("--impls", default="", help="comma list of implementations to time (default: all)")
     parser.add_argument("--families", default="spherical,softmax", help="spec families to load and check")
     parser.add_argument("--breakdown", default="", help="comma list of N: per-kernel times of both forms")
+    parser.add_argument("--tiles", default="", help="forced-tile sweep, e.g. softmax:1:4096:fwd+bwd;... then exit")
     args = parser.parse_args()
     t_start = time.time()
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
@@ -353,9 +473,15 @@ def main() -> int:
         f"sdpa flash={torch.backends.cuda.flash_sdp_enabled()} cudnn={torch.backends.cuda.cudnn_sdp_enabled()}")
     families = set(args.families.split(","))
     ops = {key: ncd.load(SPEC_DIR / name) for key, name in SPECS.items() if key[0] in families}
+    if args.tiles:
+        cases = [(f, c == "1", int(n), set(kinds.split("+"))) for f, c, n, kinds in
+                 (case.split(":") for case in args.tiles.split(";"))]
+        tile_sweep(ops, cases, log, args.budget_s)
     t0 = time.time()
     ok = check(ops, log, variants=not args.no_variants)
     log(f"correctness {'OK' if ok else 'FAILED'} ({time.time() - t0:.0f} s incl. compile and autotune)")
+    if args.tiles:
+        return 0 if ok else 1
 
     for attr in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, attr):

@@ -303,3 +303,26 @@ def test_factorized_kernels_render_only_the_coefficients_they_use():
     assert "FACT_NEED_VEC = True" in poly and "tl.load(WSUM + state)" in poly
     with pytest.raises(AttentionSpecError, match="polynomial"):
         render_attention_module(softmax_spec(), poly_plan.factorization)
+
+
+@pytest.mark.parametrize("family", ["softmax", "spherical"])
+def test_pointer_and_tma_paths_agree(family, tmp_path):
+    """The kernels read through TMA descriptors where the layout allows and through pointers otherwise
+    (USE_TMA = False, or a base address that is not 16-byte aligned); both compute the same thing."""
+    module = load_attention_module(compiled_kernel_spec(family, causal=True), tmp_path)
+    module.POISON_OUTPUTS = True
+    q, k, v, _ = _inputs(1, 4, 2, 35, 35, 16, torch.float32, False, False)
+    flat = torch.randn(q.numel() + 1)
+    shifted = flat[1:].view(q.shape)  # 4 bytes past an aligned allocation
+    assert module._tma_ok(q, k, v) and not module._tma_ok(shifted, k, v)
+    results = []
+    for use_tma, q_in in ((True, q), (False, q), (True, shifted.copy_(q.detach()).requires_grad_())):
+        module.USE_TMA = use_tma
+        q_in.grad = k.grad = v.grad = None
+        o = module.attention(q_in, k, v, None, 0.25)
+        o.backward(torch.ones_like(o))
+        results.append([o.detach(), q_in.grad, k.grad, v.grad])
+    module.USE_TMA = True
+    for other in results[1:]:
+        for got, want in zip(other, results[0], strict=True):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
