@@ -110,6 +110,30 @@ def test_packed_sequences_equal_separate_runs(gka_module):
             assert rms_ratio(got[:, lo:hi], want) < 1e-5
 
 
+def test_packed_layout_is_read_from_the_device_once_per_step(gka_module, monkeypatch):
+    """The call check, the forward and the backward share one read of cu_seqlens (a host sync on a GPU); an
+    in-place change of cu_seqlens is seen by the next call."""
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        reads.append(self.numel())
+        return tolist(self)
+
+    q, k, v, g, b, a = draw(B=1, T=60)
+    cu = torch.tensor([0, 25, 60], dtype=torch.int32)
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, b, a)]
+    o, _ = gka_module.chunk(*leaves, cu_seqlens=cu, chunk_size=16)
+    o.sum().backward()
+    assert reads == [3]
+    cu[1] = 40  # same tensor, new layout: read again, and the result follows the new boundaries
+    o2, _ = gka_module.chunk(*(t.detach() for t in leaves), cu_seqlens=cu, chunk_size=16)
+    assert reads == [3, 3]
+    monkeypatch.undo()
+    first, _ = gka_module.chunk(q[:, :40], k[:, :40], v[:, :40], g[:, :40], b[:, :40], a[:, :40], chunk_size=16)
+    assert rms_ratio(o2[:, :40], first) < 1e-6
+
 def test_chunked_torch_reference_and_public_op_agree_with_the_naive_recurrence():
     inputs = draw(T=45)
     ref, _ = naive_gka(*f64(inputs))
