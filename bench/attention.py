@@ -15,6 +15,9 @@ Run on a CUDA machine, with ncd importable (installed, or the repository root on
    spec. FLOPs: forward 4 B H N^2 D (half when causal), backward 2.5x forward.
    ``--impls`` restricts the timed implementations, ``--families`` the specs loaded and checked.
 3. ``--breakdown N,...``: per-kernel CUDA times (torch.profiler) of one spherical fwd+bwd per form.
+4. ``--tiles "softmax:1:1024:fwd;spherical:1:1024:bwd+fused"``: forced-tile sweep of the streamed kernels
+   (forward with and without TMA, the dK/dV and dQ kernels, the atomic-dQ fused kernel), then the
+   correctness check, then exit. The autotune sets in templates/attention.py.jinja come from it.
 
 The table is printed last. With $OUT set, the rows go to $OUT/attention_bench.json and the log to
 $OUT/attention_bench.log.
