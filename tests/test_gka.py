@@ -173,6 +173,8 @@ def test_call_time_errors_name_the_tensor_and_axis(gka_module):
         gka_module.chunk(q, k, v, g, b, a, cu_seqlens=torch.tensor([0, 20], dtype=torch.int32))
     with pytest.raises(CallError, match="cu_seqlens must rise from 0 to 20"):
         gka_module.chunk(*(t[:1] for t in (q, k, v, g, b, a)), cu_seqlens=torch.tensor([0, 7, 5, 20]))
+    with pytest.raises(CallError, match="cu_seqlens must rise from 0 to 20"):  # rejected before any chunking
+        gka_module.chunk(*(t[:1] for t in (q, k, v, g, b, a)), cu_seqlens=torch.tensor([0, 10**12]))
     with pytest.raises(CallError, match="dtype"):
         gka_module.chunk(q, k.to(torch.float16), v, g, b, a)
     with pytest.raises(CallError, match=r"initial_state\[0\] must have shape"):
