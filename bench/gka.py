@@ -8,7 +8,8 @@ chunk_gated_delta_rule / chunk_simple_gla forward (fla-core 0.6.0 wheel) at the 
 
 Correctness, every run (fla issue 640: Triton 3.4-3.7.0 miscompiles some gated chunk backward kernels on
 Hopper): ncd's output and all gradients against the float64 naive recurrence at B1 T300 H2 (chunk 64, T not a
-multiple of it), and against the fp32 chunked reference at the benchmark shape T = 2048.
+multiple of it), and against the float64 chunked reference at the benchmark shape T = 2048 (the fp32
+chunked reference's own error beside it).
 
 Run from outside the repository so the installed ncd is imported:
     cd /tmp && python3 /path/to/repo/bench/gka.py [--ts 2048,4096,8192] [--rs 10,30] [--no-naive]
@@ -91,16 +92,19 @@ def check(module, failures):
                 f" {'OK' if err <= tol else 'FAIL'}")
             if not err <= tol:
                 failures.append(f"naive {dtype} {name}")
-    # (2) at the benchmark shape against the fp32 chunked reference (autograd through its iterations)
+    # (2) at the benchmark shape against the chunked reference in float64 (autograd through its iterations); the
+    # same reference in fp32 is reported beside it as the yardstick of fp32 arithmetic
     inputs = draw(B, 2048, H, seed=2)
     do = torch.randn(B, 2048, H, D, device="cuda", dtype=torch.bfloat16)
     o, grads = grads_of(lambda *t: module.chunk(*t)[0], inputs, do)
-    ref, ref_grads = grads_of(lambda *t: chunked_gka(*[x.float() for x in t]).float(), inputs, do.float())
-    for name, a, b in zip(names, (o, *grads), (ref, *ref_grads), strict=True):
-        err, tol = rel(a, b), (1e-2 if name == "o" else 3e-2)
+    ref, ref_grads = grads_of(lambda *t: chunked_gka(*t), [x.double() for x in inputs], do.double())
+    ref32, ref32_grads = grads_of(lambda *t: chunked_gka(*[x.float() for x in t]).float(), inputs, do.float())
+    for name, a, b, c in zip(names, (o, *grads), (ref, *ref_grads), (ref32, *ref32_grads), strict=True):
+        err, err32, tol = rel(a, b), rel(c, b), (1e-2 if name == "o" else 3e-2)
         RESULTS[f"check chunked {name}"] = err
-        log(f"  check vs chunked fp32 reference (bf16, T 2048) {name:6s} {err:.2e} (limit {tol:g})"
-            f" {'OK' if err <= tol else 'FAIL'}")
+        RESULTS[f"check chunked fp32 reference {name}"] = err32
+        log(f"  check vs chunked fp64 reference (bf16, T 2048) {name:6s} {err:.2e} (limit {tol:g};"
+            f" the fp32 reference: {err32:.2e}) {'OK' if err <= tol else 'FAIL'}")
         if not err <= tol:
             failures.append(f"chunked {name}")
 
@@ -139,17 +143,60 @@ def measure(module, inputs, r, naive):
     return cell
 
 
+def profile(module, ts, rs):
+    """Per-kernel CUDA time (us per call, mean of 10 calls) of fla GDN's forward and ncd's forward and
+    forward+backward at each (T, r)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for t in ts:
+        inputs = draw(B, t, H, seed=3)
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        do = torch.randn_like(inputs[2])
+        steps = []
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+            steps.append(("fla GDN fwd", lambda: chunk_gated_delta_rule(*inputs[:5])))  # noqa: B023
+        except ImportError:
+            pass
+        for r in rs:
+            steps.append((f"r {r} fwd", lambda r=r: module.chunk(*inputs, num_iter=r)))  # noqa: B023
+            steps.append((f"r {r} fwd+bwd", lambda r=r: torch.autograd.grad(
+                module.chunk(*leaves, num_iter=r)[0], leaves, do)))  # noqa: B023
+        for label, step in steps:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    step()
+                torch.cuda.synchronize()
+            total = 0.0
+            log(f"T {t} {label}:")
+            for event in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+                if event.device_time_total <= 0:
+                    continue
+                total += event.device_time_total / 10
+                log(f"  {event.key[:60]:60s} {event.device_time_total / 10:9.1f} us  x{event.count // 10}")
+            log(f"  {'total':60s} {total:9.1f} us")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ts", default="2048,4096,8192")
     parser.add_argument("--rs", default="10,30")
     parser.add_argument("--no-naive", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="per-kernel times of ncd's forward and backward (and fla GDN's forward), then exit")
     args = parser.parse_args()
     ts = [int(t) for t in args.ts.split(",")]
     rs = [int(r) for r in args.rs.split(",")]
     log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.datetime.now():%Y-%m-%d %H:%M}")
     op = ncd.load(shipped_spec("gka"))
     module = op.module
+    if args.profile:
+        profile(module, [int(t) for t in args.ts.split(",")], [int(r) for r in args.rs.split(",")])
+        return
     failures: list[str] = []
     check(module, failures)
     try:

@@ -49,12 +49,14 @@ def naive_gka(q, k, v, g, beta=None, alpha=None, scale=None, ridge=0.02, num_ite
 
 
 def chunked_gka(q, k, v, g, beta=None, alpha=None, scale=None, ridge=0.02, num_iter=30, chunk=64):
-    """The chunked algorithm in torch ops (fp32): chunk-start states by a loop over chunks, then the Gram-form
-    norms, the Chebyshev iteration and the output for all chunks at once. Forward and autograd backward."""
+    """The chunked algorithm in torch ops (fp32, or float64 for float64 q): chunk-start states by a loop over
+    chunks, then the Gram-form norms, the Chebyshev iteration and the output for all chunks at once. Forward and
+    autograd backward."""
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, T, heads, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    kb, vb = _scaled(k.float(), v.float(), beta)
+    kb, vb = _scaled(k.to(dt), v.to(dt), beta)
     pad = (-T) % chunk
     n = (T + pad) // chunk
 
@@ -62,13 +64,13 @@ def chunked_gka(q, k, v, g, beta=None, alpha=None, scale=None, ridge=0.02, num_i
         t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 3) + (0, 0, 0, pad))
         return t.reshape(B, n, chunk, heads, *t.shape[3:]).transpose(1, 3).transpose(2, 3)
 
-    qc, kc, vc = blocks(q.float()), blocks(kb), blocks(vb)
-    gc = blocks(g.float()[..., None])[..., 0].cumsum(-1)  # [B, H, n, C]
+    qc, kc, vc = blocks(q.to(dt)), blocks(kb), blocks(vb)
+    gc = blocks(g.to(dt)[..., None])[..., 0].cumsum(-1)  # [B, H, n, C]
     mask = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = torch.where(mask, (gc[..., :, None] - gc[..., None, :]).masked_fill(~mask, 0).exp(), 0)
     eg = gc.exp()
-    h = q.new_zeros(B, heads, K, K, dtype=torch.float32)
-    s = q.new_zeros(B, heads, K, V, dtype=torch.float32)
+    h = q.new_zeros(B, heads, K, K, dtype=dt)
+    s = q.new_zeros(B, heads, K, V, dtype=dt)
     h0s, s0s = [], []
     for i in range(n):
         h0s.append(h)
@@ -95,7 +97,7 @@ def chunked_gka(q, k, v, g, beta=None, alpha=None, scale=None, ridge=0.02, num_i
     for _ in range(num_iter):
         omega = 4 / (4 - rho2 * omega)
         x, x_prev = x - step0 * omega * (matvec(x) + lam * x - qc) + (omega - 1) * (x - x_prev), x
-    qa = x if alpha is None else qc + blocks(alpha.float()[..., None]) * (x - qc)
+    qa = x if alpha is None else qc + blocks(alpha.to(dt)[..., None]) * (x - qc)
     o = scale * (eg[..., None] * (qa @ s0) + ((qa @ kc.transpose(-1, -2)) * decay) @ vc)
     o = o.transpose(2, 3).transpose(1, 3).reshape(B, n * chunk, heads, V)[:, :T]
     return o.to(v.dtype)
