@@ -1,15 +1,16 @@
 """GPU benchmark of the Gated KalmaNet core compiled from specs/gka.ncd, one run: correctness first, then timings.
 
 Shapes (issue 6): bf16, B = 4, T in {2048, 4096, 8192}, H = 8, D = 128, r in {10, 30} Chebyshev steps.
-Side by side: ncd's generated op (forward, forward+backward; TF32 products, and the official kernels' bf16
-products as a variant), the chunked PyTorch reference (ncd.gka_reference.chunked_gka, autograd backward), the
-naive per-timestep recurrence with autograd (T = 2048 only: one timed run each, seconds), and fla's
+Side by side: ncd's generated op (forward, forward+backward; default scaled-fp16 products, and TF32 and the
+official kernels' bf16 products as forward variants), the chunked PyTorch reference
+(ncd.gka_reference.chunked_gka, autograd backward), the naive per-timestep recurrence with autograd (T = 2048
+only: one timed run each, seconds), and fla's
 chunk_gated_delta_rule / chunk_simple_gla forward (fla-core 0.6.0 wheel) at the same shapes.
 
 Correctness, every run (fla issue 640: Triton 3.4-3.7.0 miscompiles some gated chunk backward kernels on
 Hopper): ncd's output and all gradients against the float64 naive recurrence at B1 T300 H2 (chunk 64, T not a
 multiple of it), and against the float64 chunked reference at the benchmark shape T = 2048 (the fp32
-chunked reference's own error beside it).
+chunked reference's own error beside it) for each product-precision variant (--variants).
 
 Run from outside the repository so the installed ncd is imported:
     cd /tmp && python3 /path/to/repo/bench/gka.py [--ts 2048,4096,8192] [--rs 10,30] [--no-naive]
@@ -76,10 +77,10 @@ def grads_of(fn, inputs, do):
     return out, torch.autograd.grad(out, leaves, do)
 
 
-def check(module, failures):
+def check(module, failures, variants):
     names = ["o", "dq", "dk", "dv", "dg", "dbeta", "dalpha"]
     # (1) against the float64 naive recurrence (same Chebyshev iteration), T not a multiple of the chunk
-    # limits: TF32 products (the default) put o within ~5e-3 of fp64 whatever the input dtype
+    # limits: 10-bit operands (scaled fp16, the default, or TF32) put o within ~5e-3 of fp64 whatever the input dtype
     for dtype, tol_o, tol_g in ((torch.float32, 1e-2, 2e-2), (torch.bfloat16, 1e-2, 3e-2)):
         inputs = draw(1, 300, 2, dtype, seed=1)
         do = torch.randn(1, 300, 2, D, device="cuda", dtype=dtype)
@@ -93,24 +94,34 @@ def check(module, failures):
             if not err <= tol:
                 failures.append(f"naive {dtype} {name}")
     # (2) at the benchmark shape against the chunked reference in float64 (autograd through its iterations); the
-    # same reference in fp32 is reported beside it as the yardstick of fp32 arithmetic
+    # same reference in fp32 is reported beside it as the yardstick of fp32 arithmetic. Each precision variant
+    # (products of the solve and output : products of the backward's accumulation kernels) is checked against
+    # the same reference; the default decides pass or fail.
     inputs = draw(B, 2048, H, seed=2)
     do = torch.randn(B, 2048, H, D, device="cuda", dtype=torch.bfloat16)
-    o, grads = grads_of(lambda *t: module.chunk(*t)[0], inputs, do)
     ref, ref_grads = grads_of(lambda *t: chunked_gka(*t), [x.double() for x in inputs], do.double())
     ref32, ref32_grads = grads_of(lambda *t: chunked_gka(*[x.float() for x in t]).float(), inputs, do.float())
-    for name, a, b, c in zip(names, (o, *grads), (ref, *ref_grads), (ref32, *ref32_grads), strict=True):
-        err, err32, tol = rel(a, b), rel(c, b), (1e-2 if name == "o" else 3e-2)
-        RESULTS[f"check chunked {name}"] = err
-        RESULTS[f"check chunked fp32 reference {name}"] = err32
-        log(f"  check vs chunked fp64 reference (bf16, T 2048) {name:6s} {err:.2e} (limit {tol:g};"
-            f" the fp32 reference: {err32:.2e}) {'OK' if err <= tol else 'FAIL'}")
-        if not err <= tol:
-            failures.append(f"chunked {name}")
+    err32 = [rel(c, b) for c, b in zip((ref32, *ref32_grads), (ref, *ref_grads), strict=True)]
+    log("  check vs chunked fp64 reference (bf16, T 2048): " + ", ".join(
+        f"{n} {e:.1e}" for n, e in zip(names, err32, strict=True)) + " (the fp32 reference)")
+    for variant in variants:
+        dot, grad = (None if p in ("", "default") else p for p in [*variant.split(":"), ""][:2])
+        module.DOT_PRECISION, module.GRAD_PRECISION = dot, grad
+        o, grads = grads_of(lambda *t: module.chunk(*t)[0], inputs, do)
+        module.DOT_PRECISION = module.GRAD_PRECISION = None
+        errs = [rel(a, b) for a, b in zip((o, *grads), (ref, *ref_grads), strict=True)]
+        RESULTS[f"check chunked {variant}"] = dict(zip(names, errs, strict=True))
+        bad = [n for n, e in zip(names, errs, strict=True) if not e <= (1e-2 if n == "o" else 3e-2)]
+        log(f"  check vs chunked fp64 reference (bf16, T 2048), products {variant:16s}: " + ", ".join(
+            f"{n} {e:.1e}" for n, e in zip(names, errs, strict=True))
+            + f" (limits 1e-2 for o, 3e-2) {'OK' if not bad else 'FAIL ' + ' '.join(bad)}")
+        if bad and variant == "default":
+            failures.extend(f"chunked {n}" for n in bad)
 
 
 def measure(module, inputs, r, naive):
-    """ncd (default precision, bf16 products, chunk 32), the chunked reference and the naive recurrence at r."""
+    """ncd (default precision; fwd+bwd with a TF32 backward; forward with TF32 and bf16 products), the chunked
+    reference and the naive recurrence at r."""
     cell: dict[str, float] = {}
     do = torch.randn_like(inputs[2])
     leaves = [x.detach().requires_grad_() for x in inputs]
@@ -126,16 +137,16 @@ def measure(module, inputs, r, naive):
         o, _ = naive_gka(*leaves, num_iter=r)
         torch.autograd.grad(o, leaves, do)
 
-    module.DOT_PRECISION = None  # the default: TF32 products for bf16 inputs
+    module.DOT_PRECISION = None  # the default: scaled fp16 products in the solve and output kernels
     cell["fwd"] = ms(lambda: module.chunk(*inputs, num_iter=r))
-    cell["fb"] = ms(ncd_step)
-    o32, _ = module.chunk(*inputs, num_iter=r)
-    cell["fwd_c32"] = ms(lambda: module.chunk(*inputs, num_iter=r, chunk_size=32))
-    module.DOT_PRECISION = "bf16"
-    cell["fwd_bf16"] = ms(lambda: module.chunk(*inputs, num_iter=r))
-    o16, _ = module.chunk(*inputs, num_iter=r)
+    cell["fb"] = ms(ncd_step)  # the default backward: 3xTF32 products
+    module.GRAD_PRECISION = "tf32"
+    cell["fb_tf32"] = ms(ncd_step)
+    module.GRAD_PRECISION = None
+    for prec in ("tf32", "bf16"):
+        module.DOT_PRECISION = prec
+        cell[f"fwd_{prec}"] = ms(lambda: module.chunk(*inputs, num_iter=r))
     module.DOT_PRECISION = None
-    cell["bf16_vs_tf32"] = rel(o16, o32)
     cell["chunked_fwd"] = ms(lambda: chunked_gka(*inputs, num_iter=r), rep=20)
     cell["chunked_fb"] = ms(chunked_step, rep=20)
     if naive:
@@ -143,9 +154,20 @@ def measure(module, inputs, r, naive):
     return cell
 
 
-def profile(module, ts, rs):
+def profile(module, ts, rs, layouts):
     """Per-kernel CUDA time (us per call, mean of 10 calls) of fla GDN's forward and ncd's forward and
-    forward+backward at each (T, r)."""
+    forward+backward at each (T, r), for each layout "ROWSxCOLSxWARPS/BV" (the scans' tile and warps, both scans;
+    the output kernel's value columns)."""
+    for layout in layouts:
+        tile, bv = layout.split("/")
+        ba, bb, warps = (int(x) for x in tile.split("x"))
+        module.SCAN_TILES = {"fwd": (ba, bb, warps), "bwd": (ba, bb, warps)}
+        module.OUTPUT_BV = int(bv)
+        log(f"scan tile {tile}, output BV {bv}")
+        _profile(module, ts, rs)
+
+
+def _profile(module, ts, rs):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -186,6 +208,11 @@ def main():
     parser.add_argument("--ts", default="2048,4096,8192")
     parser.add_argument("--rs", default="10,30")
     parser.add_argument("--no-naive", action="store_true")
+    parser.add_argument("--variants", default="default,default:tf32",
+                        help="product precisions checked at T 2048: DOT[:GRAD] (module DOT_PRECISION, GRAD_PRECISION)")
+    parser.add_argument("--check-only", action="store_true")
+    parser.add_argument("--layouts", default="64x64x4/64",
+                        help="--profile: layouts to compare, scan tile ROWSxCOLSxWARPS / output kernel BV")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel times of ncd's forward and backward (and fla GDN's forward), then exit")
     args = parser.parse_args()
@@ -195,10 +222,12 @@ def main():
     op = ncd.load(shipped_spec("gka"))
     module = op.module
     if args.profile:
-        profile(module, [int(t) for t in args.ts.split(",")], [int(r) for r in args.rs.split(",")])
+        profile(module, ts, rs, args.layouts.split(","))
         return
     failures: list[str] = []
-    check(module, failures)
+    check(module, failures, args.variants.split(","))
+    if args.check_only:
+        return
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         from fla.ops.simple_gla import chunk_simple_gla
@@ -229,15 +258,16 @@ def main():
     log("")
     log(f"GKA, bf16, B {B}, H {H}, D {D}; ms (median); ratios: ncd fwd / fla GDN fwd (targets: <= 3 at r 30, "
         "<= 1.5 at r 10), naive fwd+bwd / ncd fwd+bwd (target >= 50 at T 2048)")
-    header = ("T", "r", "ncd fwd", "ncd f+b", "ncd fwd bf16-dot", "ncd fwd chunk 32", "chunked fwd", "chunked f+b",
+    header = ("T", "r", "ncd fwd", "ncd f+b", "ncd f+b tf32-bwd", "ncd fwd tf32-dot", "ncd fwd bf16-dot", "chunked fwd",
+              "chunked f+b",
               "naive f+b",
               "fla GDN fwd", "fla GLA fwd", "fwd/GDN", "naive/ncd f+b")
     log("| " + " | ".join(header) + " |")
     log("|" + "---|" * len(header))
     for c in rows:
         gdn = c.get("gdn")
-        cells = [c["T"], c["r"], f"{c['fwd']:.3f}", f"{c['fb']:.3f}", f"{c['fwd_bf16']:.3f}",
-                 f"{c['fwd_c32']:.3f}",
+        cells = [c["T"], c["r"], f"{c['fwd']:.3f}", f"{c['fb']:.3f}", f"{c['fb_tf32']:.3f}", f"{c['fwd_tf32']:.3f}",
+                 f"{c['fwd_bf16']:.3f}",
                  f"{c['chunked_fwd']:.3f}", f"{c['chunked_fb']:.3f}",
                  f"{c['naive_fb']:.0f}" if "naive_fb" in c else "-",
                  f"{gdn:.3f}" if gdn else "-", f"{c['gla']:.3f}" if "gla" in c else "-",

@@ -12,13 +12,21 @@ def _flag(name: str, default: bool) -> bool:
     return default if value is None else value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _choice(name: str, allowed: tuple[str, ...]) -> str | None:
+    value = os.environ.get(name, "").strip().lower() or None
+    if value is not None and value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     verify: bool  # NCD_VERIFY: re-verify the IR after every stage (default on)
     debug: bool  # NCD_DEBUG: show Python tracebacks for internal errors
     cache_dir: Path  # NCD_CACHE_DIR: where compiled ops are cached
     attention_factorize: str  # NCD_ATTENTION_FACTORIZE: auto (cost model) | always | never
-    gka_dot_precision: str | None = None  # NCD_GKA_DOT_PRECISION: tf32 | tf32x3 | ieee | bf16 (default: by dtype)
+    gka_dot_precision: str | None = None  # NCD_GKA_DOT_PRECISION: fp16 (scaled; default) | tf32 | tf32x3 | ieee | bf16
+    gka_grad_precision: str | None = None  # NCD_GKA_GRAD_PRECISION: tf32x3 (default) | tf32 | ieee
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -28,11 +36,10 @@ class Settings:
         factorize = os.environ.get("NCD_ATTENTION_FACTORIZE", "auto").strip().lower()
         if factorize not in ("auto", "always", "never"):
             raise ValueError(f"NCD_ATTENTION_FACTORIZE must be auto, always or never, not {factorize!r}")
-        precision = os.environ.get("NCD_GKA_DOT_PRECISION", "").strip().lower() or None
-        if precision not in (None, "tf32", "tf32x3", "ieee", "bf16"):
-            raise ValueError(f"NCD_GKA_DOT_PRECISION must be tf32, tf32x3, ieee or bf16, not {precision!r}")
+        precision = _choice("NCD_GKA_DOT_PRECISION", ("fp16", "tf32", "tf32x3", "ieee", "bf16"))
+        grad_precision = _choice("NCD_GKA_GRAD_PRECISION", ("tf32", "tf32x3", "ieee"))
         return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=Path(cache),
-                   attention_factorize=factorize, gka_dot_precision=precision)
+                   attention_factorize=factorize, gka_dot_precision=precision, gka_grad_precision=grad_precision)
 
 
 def settings() -> Settings:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -25,10 +26,20 @@ K, V = 32, 24
 
 @pytest.fixture(scope="module")
 def gka_module():
+    """The generated module with IEEE fp32 products: the interpreter's exact arithmetic then shows the chunked
+    algorithm's own error. The default scaled-fp16 products have their own tests (test_default_fp16_...)."""
     op = ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V})
     op.module.POISON_OUTPUTS = True
+    op.module.DOT_PRECISION = "ieee"
     yield op.module
     op.module.POISON_OUTPUTS = False
+    op.module.DOT_PRECISION = None
+
+
+def exact_products(monkeypatch, k=K, v=V):
+    """IEEE fp32 products for the op compiled at (k, v), as the fixture above, for tests going through ncd.ops."""
+    module = ncd.load(shipped_spec("gka"), sizes={"kdim": k, "vdim": v}).module
+    monkeypatch.setattr(module, "DOT_PRECISION", "ieee")
 
 
 def draw(B=2, T=100, H=2, gen_seed=None, beta=True, alpha=True):
@@ -92,6 +103,50 @@ def test_all_gradients_and_states_match_autograd_through_the_naive_recurrence(gk
     assert rms_ratio(grads[0], ref_grads[0]) < 1e-5
 
 
+def _forward_and_grads(core, inputs, initial_state=None):
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in inputs]
+    state = None if initial_state is None else tuple(t.clone().requires_grad_() for t in initial_state)
+    o, _ = core(*leaves, initial_state=state)
+    present = [t for t in (*leaves, *(state or ())) if t is not None]
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(o.dtype)
+    return o, torch.autograd.grad((o * do).sum(), present)
+
+
+def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
+    """The default products (scaled fp16, TF32's 10-bit mantissa) against the float64 recurrence. The solve's
+    sensitivity to operand rounding is about eps / ridge = 2^-11 / 0.02 = 2.4e-2 (kappa <= 1 / ridge + 1), reached
+    on the first tokens of a sequence where H_t has rank one; the limits sit at that bound."""
+    monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
+    inputs = draw(T=77)
+    o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
+    ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
+    monkeypatch.setattr(gka_module, "DOT_PRECISION", "ieee")
+    o_exact, _ = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
+    errors = {name: rms_ratio(got, want) for name, got, want in
+              zip(["o", "q", "k", "v", "g", "beta", "alpha"], (o, *grads), (ref, *ref_grads), strict=True)}
+    print("GKA fp16 products vs float64:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    assert rms_ratio(o, o_exact) > 1e-5  # the products did run in fp16
+    assert errors.pop("o") <= 0.012
+    assert max(errors.values()) <= 0.03
+
+
+def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
+    """States, keys and values far beyond fp16's range (65504 for values, their squares for keys): the scaled
+    operands keep the default path finite and as accurate as at unit scale (unscaled, o would be NaN)."""
+    B, H = 1, 2
+    q, k, v, g, b, a = draw(B=B, H=H, T=40)
+    h0 = torch.randn(B, H, K, K)
+    h0 = h0 @ h0.transpose(-1, -2) * 1e5
+    s0 = torch.randn(B, H, K, V) * 1e5
+    inputs = (q, k * 30, v * 1e5, g, b, a)
+    monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
+    o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs, (h0, s0))
+    ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs), (h0.double(), s0.double()))
+    assert rms_ratio(o, ref) <= 0.012
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert torch.isfinite(got).all() and rms_ratio(got, want) <= 0.03
+
+
 def test_packed_sequences_equal_separate_runs(gka_module):
     lengths = [37, 16, 50]
     q, k, v, g, b, a = draw(B=1, T=sum(lengths))
@@ -134,7 +189,8 @@ def test_packed_layout_is_read_from_the_device_once_per_step(gka_module, monkeyp
     first, _ = gka_module.chunk(q[:, :40], k[:, :40], v[:, :40], g[:, :40], b[:, :40], a[:, :40], chunk_size=16)
     assert rms_ratio(o2[:, :40], first) < 1e-6
 
-def test_chunked_torch_reference_and_public_op_agree_with_the_naive_recurrence():
+def test_chunked_torch_reference_and_public_op_agree_with_the_naive_recurrence(monkeypatch):
+    exact_products(monkeypatch)
     inputs = draw(T=45)
     ref, _ = naive_gka(*f64(inputs))
     assert rms_ratio(chunked_gka(*inputs, chunk=16), ref) < 1e-4
@@ -159,6 +215,8 @@ def test_layer_runs_forward_and_backward_and_uses_the_compiled_core(monkeypatch)
                          ridge, num_iter)
         return o.float(), None
 
+    exact_products(monkeypatch, K, K)
+    y = layer(x)
     monkeypatch.setattr(layers, "chunk_gka", naive_core)
     assert rms_ratio(y, layer(x)) < 1e-4
 
@@ -213,3 +271,15 @@ def test_plan_shows_the_derived_chunked_form():
     expected_lines = ("1/(2*a + 1)", "Gram form", "implicit differentiation", "gka.ncd:26", "(bt + 1/1000000)")
     for expected in expected_lines:
         assert expected in result.stdout
+
+
+def test_precision_settings_are_validated(monkeypatch):
+    from ncd.settings import Settings
+
+    monkeypatch.setenv("NCD_GKA_DOT_PRECISION", "FP16")
+    monkeypatch.setenv("NCD_GKA_GRAD_PRECISION", "tf32")
+    parsed = Settings.from_env()
+    assert (parsed.gka_dot_precision, parsed.gka_grad_precision) == ("fp16", "tf32")
+    monkeypatch.setenv("NCD_GKA_GRAD_PRECISION", "fp16")  # the backward's products are never unscaled fp16
+    with pytest.raises(ValueError, match="NCD_GKA_GRAD_PRECISION must be one of tf32, tf32x3, ieee, not 'fp16'"):
+        Settings.from_env()
