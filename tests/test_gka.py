@@ -115,7 +115,8 @@ def _forward_and_grads(core, inputs, initial_state=None):
 def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
     """The default products (scaled fp16, TF32's 10-bit mantissa) against the float64 recurrence. The solve's
     sensitivity to operand rounding is about eps / ridge = 2^-11 / 0.02 = 2.4e-2 (kappa <= 1 / ridge + 1), reached
-    on the first tokens of a sequence where H_t has rank one; the limits sit at that bound."""
+    on the first tokens of a sequence where H_t has rank one; measured 5.6e-3 to 7.8e-3 for o, up to 1.9e-2 for
+    dalpha."""
     monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
     inputs = draw(T=77)
     o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
@@ -126,8 +127,9 @@ def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
               zip(["o", "q", "k", "v", "g", "beta", "alpha"], (o, *grads), (ref, *ref_grads), strict=True)}
     print("GKA fp16 products vs float64:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
     assert rms_ratio(o, o_exact) > 1e-5  # the products did run in fp16
-    assert errors.pop("o") <= 0.012
-    assert max(errors.values()) <= 0.03
+    bound = 2.0 ** -11 / gka_module.RIDGE
+    assert errors.pop("o") <= bound
+    assert max(errors.values()) <= 2 * bound  # two solves' rounding: x and the adjoint z
 
 
 def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
@@ -142,9 +144,10 @@ def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
     monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
     o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs, (h0, s0))
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs), (h0.double(), s0.double()))
-    assert rms_ratio(o, ref) <= 0.012
+    bound = 2.0 ** -11 / gka_module.RIDGE
+    assert rms_ratio(o, ref) <= bound
     for got, want in zip(grads, ref_grads, strict=True):
-        assert torch.isfinite(got).all() and rms_ratio(got, want) <= 0.03
+        assert torch.isfinite(got).all() and rms_ratio(got, want) <= 2 * bound
 
 
 def test_packed_sequences_equal_separate_runs(gka_module):
