@@ -259,16 +259,13 @@ def main():
     log(f"GKA, bf16, B {B}, H {H}, D {D}; ms (median); ratios: ncd fwd / fla GDN fwd (targets: <= 3 at r 30, "
         "<= 1.5 at r 10), naive fwd+bwd / ncd fwd+bwd (target >= 50 at T 2048)")
     header = ("T", "r", "ncd fwd", "ncd f+b", "ncd f+b tf32-bwd", "ncd fwd tf32-dot", "ncd fwd bf16-dot", "chunked fwd",
-              "chunked f+b",
-              "naive f+b",
-              "fla GDN fwd", "fla GLA fwd", "fwd/GDN", "naive/ncd f+b")
+              "chunked f+b", "naive f+b", "fla GDN fwd", "fla GLA fwd", "fwd/GDN", "naive/ncd f+b")
     log("| " + " | ".join(header) + " |")
     log("|" + "---|" * len(header))
     for c in rows:
         gdn = c.get("gdn")
         cells = [c["T"], c["r"], f"{c['fwd']:.3f}", f"{c['fb']:.3f}", f"{c['fb_tf32']:.3f}", f"{c['fwd_tf32']:.3f}",
-                 f"{c['fwd_bf16']:.3f}",
-                 f"{c['chunked_fwd']:.3f}", f"{c['chunked_fb']:.3f}",
+                 f"{c['fwd_bf16']:.3f}", f"{c['chunked_fwd']:.3f}", f"{c['chunked_fb']:.3f}",
                  f"{c['naive_fb']:.0f}" if "naive_fb" in c else "-",
                  f"{gdn:.3f}" if gdn else "-", f"{c['gla']:.3f}" if "gla" in c else "-",
                  f"{c['fwd'] / gdn:.2f}" if gdn else "-",

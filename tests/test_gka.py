@@ -112,6 +112,14 @@ def _forward_and_grads(core, inputs, initial_state=None):
     return o, torch.autograd.grad((o * do).sum(), present)
 
 
+def _tolerances():
+    """The fp32 limits the recurrence plan states for its default products (the ones `ncd check` applies)."""
+    from ncd.backend import plan
+
+    kernel_plan = plan(ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V}).front)
+    return {"o": kernel_plan.output_tolerance["float32"], "grad": kernel_plan.gradient_tolerance["float32"]}
+
+
 def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
     """The default products (scaled fp16, TF32's 10-bit mantissa) against the float64 recurrence. The solve's
     sensitivity to operand rounding is about eps / ridge = 2^-11 / 0.02 = 2.4e-2 (kappa <= 1 / ridge + 1), reached
@@ -127,9 +135,9 @@ def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
               zip(["o", "q", "k", "v", "g", "beta", "alpha"], (o, *grads), (ref, *ref_grads), strict=True)}
     print("GKA fp16 products vs float64:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
     assert rms_ratio(o, o_exact) > 1e-5  # the products did run in fp16
-    bound = 2.0 ** -11 / gka_module.RIDGE
-    assert errors.pop("o") <= bound
-    assert max(errors.values()) <= 2 * bound  # two solves' rounding: x and the adjoint z
+    bound = _tolerances()
+    assert errors.pop("o") <= bound["o"]
+    assert max(errors.values()) <= bound["grad"]  # two solves' rounding: x and the adjoint z
 
 
 def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
@@ -144,10 +152,10 @@ def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
     monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
     o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs, (h0, s0))
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs), (h0.double(), s0.double()))
-    bound = 2.0 ** -11 / gka_module.RIDGE
-    assert rms_ratio(o, ref) <= bound
+    bound = _tolerances()
+    assert rms_ratio(o, ref) <= bound["o"]
     for got, want in zip(grads, ref_grads, strict=True):
-        assert torch.isfinite(got).all() and rms_ratio(got, want) <= 2 * bound
+        assert torch.isfinite(got).all() and rms_ratio(got, want) <= bound["grad"]
 
 
 def test_packed_sequences_equal_separate_runs(gka_module):
