@@ -158,6 +158,34 @@ def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
         assert torch.isfinite(got).all() and rms_ratio(got, want) <= bound["grad"]
 
 
+def test_bf16_inputs_scan_with_bf16_products_within_the_bf16_limits(gka_module, monkeypatch):
+    """bf16 inputs: the forward's state scans multiply bf16 operands (the keys exactly, the weighted right operand
+    rounded); the backward recomputes its states with TF32 products. Output, final states and gradients against
+    the float64 recurrence on the same bf16 inputs, within the bf16 limits the plan states."""
+    monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
+    q, k, v, g, b, a = draw(T=77)
+    inputs = [t.bfloat16() for t in (q, k, v)] + [g, b.bfloat16(), a.bfloat16()]
+    assert gka_module._scan_precision(torch.bfloat16) == "bf16"
+    assert gka_module._scan_precision(torch.float32) == "tf32"
+    o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
+    ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
+    from ncd.backend import plan
+
+    kernel_plan = plan(ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V}).front)
+    assert o.dtype == torch.bfloat16
+    assert rms_ratio(o, ref) <= kernel_plan.output_tolerance["bfloat16"]
+    for name, got, want in zip(["q", "k", "v", "g", "beta", "alpha"], grads, ref_grads, strict=True):
+        assert rms_ratio(got, want) <= kernel_plan.gradient_tolerance["bfloat16"], name
+    _, (h_bf16, s_bf16) = gka_module.chunk(*inputs, output_final_state=True, chunk_size=16)
+    monkeypatch.setattr(gka_module, "_scan_precision", lambda dtype: "tf32")
+    _, (h_tf32, s_tf32) = gka_module.chunk(*inputs, output_final_state=True, chunk_size=16)
+    _, (h_ref, s_ref) = naive_gka(*f64(inputs))
+    for got, other, want in ((h_bf16, h_tf32, h_ref), (s_bf16, s_tf32, s_ref)):
+        print(f"final state vs float64: bf16 scan {rms_ratio(got, want):.1e}, TF32 {rms_ratio(other, want):.1e}")
+        assert rms_ratio(got, other) > 1e-6  # the bf16 products did run
+        assert rms_ratio(got, want) <= 2.0 ** -8 and rms_ratio(other, want) <= 2.0 ** -10
+
+
 def test_packed_sequences_equal_separate_runs(gka_module):
     lengths = [37, 16, 50]
     q, k, v, g, b, a = draw(B=1, T=sum(lengths))
