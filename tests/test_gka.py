@@ -303,6 +303,12 @@ def test_recurrence_pass_rejects_what_it_cannot_chunk_with_a_located_error(tmp_p
     assert "Traceback" not in result.stderr
 
 
+def test_solve_is_tuned_per_step_count(gka_module):
+    """The solve's best warps depend on its step count (H200, T = 8192: tuned at num_iter 0, 8 warps; kept for
+    10 steps that cost 1,108 us against 677 with 4), so num_iter is part of its autotune key."""
+    assert "n_iter" in gka_module._solve.keys
+
+
 def test_plan_shows_the_derived_chunked_form():
     spec = str(ROOT / "specs" / "gka.ncd")
     result = subprocess.run([sys.executable, "-m", "ncd.cli", "compile", spec, "--emit", "plan"],
