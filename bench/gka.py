@@ -14,7 +14,9 @@ chunked reference's own error beside it) for each product-precision variant (--v
 
 Run from outside the repository so the installed ncd is imported:
     cd /tmp && python3 /path/to/repo/bench/gka.py [--ts 2048,4096,8192] [--rs 10,30] [--no-naive]
-Prints a short table last; full numbers go to $OUT/gka.json when OUT is set.
+Prints a short table last; full numbers go to $OUT/gka.json when OUT is set. Beside do_bench's times the table has
+the forward's kernel time (torch.profiler CUDA time per call) for ncd and fla GDN: GDN's forward is host-bound at
+these sizes, so its do_bench time moves with the host's speed and its kernel time does not.
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ def measure(module, inputs, r, naive):
 
     module.DOT_PRECISION = None  # the default: scaled fp16 products in the solve and output kernels
     cell["fwd"] = ms(lambda: module.chunk(*inputs, num_iter=r))
+    cell["fwd_kernels"] = sum(us for us, _ in kernel_times(lambda: module.chunk(*inputs, num_iter=r)).values()) / 1e3
     cell["fb"] = ms(ncd_step)  # the default backward: 3xTF32 products
     module.GRAD_PRECISION = "tf32"
     cell["fb_tf32"] = ms(ncd_step)
@@ -167,10 +170,24 @@ def profile(module, ts, rs, layouts):
         _profile(module, ts, rs)
 
 
-def _profile(module, ts, rs):
+def kernel_times(step, calls=10):
+    """CUDA time per call (us) of each kernel `step` launches (torch.profiler, mean of `calls` calls): what the
+    GPU spends, without the host's launch overhead that do_bench includes."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    return {event.key: (event.device_time_total / calls, event.count // calls) for event in prof.key_averages()
+            if event.device_time_total > 0}
+
+
+def _profile(module, ts, rs):
     for t in ts:
         inputs = draw(B, t, H, seed=3)
         leaves = [x.detach().requires_grad_() for x in inputs]
@@ -186,21 +203,11 @@ def _profile(module, ts, rs):
             steps.append((f"r {r} fwd+bwd", lambda r=r: torch.autograd.grad(
                 module.chunk(*leaves, num_iter=r)[0], leaves, do)))  # noqa: B023
         for label, step in steps:
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    step()
-                torch.cuda.synchronize()
-            total = 0.0
+            times = kernel_times(step)
             log(f"T {t} {label}:")
-            for event in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
-                if event.device_time_total <= 0:
-                    continue
-                total += event.device_time_total / 10
-                log(f"  {event.key[:60]:60s} {event.device_time_total / 10:9.1f} us  x{event.count // 10}")
-            log(f"  {'total':60s} {total:9.1f} us")
+            for key, (us, count) in sorted(times.items(), key=lambda kv: -kv[1][0]):
+                log(f"  {key[:60]:60s} {us:9.1f} us  x{count}")
+            log(f"  {'total':60s} {sum(us for us, _ in times.values()):9.1f} us")
 
 
 def main():
@@ -243,6 +250,8 @@ def main():
             q, k, v, g, beta, _ = inputs
             base["gdn"] = ms(lambda: chunk_gated_delta_rule(q, k, v, g, beta))  # noqa: B023 (called at once)
             base["gla"] = ms(lambda: chunk_simple_gla(q, k, v, g))  # noqa: B023
+            base["gdn_kernels"] = sum(us for us, _ in kernel_times(
+                lambda: chunk_gated_delta_rule(q, k, v, g, beta)).values()) / 1e3  # noqa: B023
         for r in rs:
             cell = dict(base, r=r, **measure(module, inputs, r, naive=t == 2048 and not args.no_naive))
             log(f"  T {t} r {r}: " + ", ".join(f"{key} {val:.3f}" if isinstance(val, float) else f"{key} {val}"
@@ -256,10 +265,12 @@ def main():
         with open(os.path.join(os.environ["OUT"], "gka.json"), "w") as handle:
             json.dump(RESULTS, handle, indent=1)
     log("")
-    log(f"GKA, bf16, B {B}, H {H}, D {D}; ms (median); ratios: ncd fwd / fla GDN fwd (targets: <= 3 at r 30, "
-        "<= 1.5 at r 10), naive fwd+bwd / ncd fwd+bwd (target >= 50 at T 2048)")
+    log(f"GKA, bf16, B {B}, H {H}, D {D}; ms (median of do_bench; 'kernels': CUDA time per call); ratios: ncd fwd / "
+        "fla GDN fwd (targets: <= 3 at r 30, <= 1.5 at r 10; by do_bench and by kernel time), naive fwd+bwd / ncd "
+        "fwd+bwd (target >= 50 at T 2048)")
     header = ("T", "r", "ncd fwd", "ncd f+b", "ncd f+b tf32-bwd", "ncd fwd tf32-dot", "ncd fwd bf16-dot", "chunked fwd",
-              "chunked f+b", "naive f+b", "fla GDN fwd", "fla GLA fwd", "fwd/GDN", "naive/ncd f+b")
+              "chunked f+b", "naive f+b", "fla GDN fwd", "fla GLA fwd", "fwd/GDN", "ncd fwd kernels",
+              "GDN fwd kernels", "fwd/GDN kernels", "naive/ncd f+b")
     log("| " + " | ".join(header) + " |")
     log("|" + "---|" * len(header))
     for c in rows:
@@ -268,7 +279,9 @@ def main():
                  f"{c['fwd_bf16']:.3f}", f"{c['chunked_fwd']:.3f}", f"{c['chunked_fb']:.3f}",
                  f"{c['naive_fb']:.0f}" if "naive_fb" in c else "-",
                  f"{gdn:.3f}" if gdn else "-", f"{c['gla']:.3f}" if "gla" in c else "-",
-                 f"{c['fwd'] / gdn:.2f}" if gdn else "-",
+                 f"{c['fwd'] / gdn:.2f}" if gdn else "-", f"{c['fwd_kernels']:.3f}",
+                 f"{c['gdn_kernels']:.3f}" if gdn else "-",
+                 f"{c['fwd_kernels'] / c['gdn_kernels']:.2f}" if gdn else "-",
                  f"{c['naive_fb'] / c['fb']:.0f}x" if "naive_fb" in c else "-"]
         log("| " + " | ".join(str(x) for x in cells) + " |")
     log(f"correctness: {'all OK' if not failures else 'FAILED: ' + ', '.join(failures)}")
