@@ -112,12 +112,12 @@ def _forward_and_grads(core, inputs, initial_state=None):
     return o, torch.autograd.grad((o * do).sum(), present)
 
 
-def _tolerances():
-    """The fp32 limits the recurrence plan states for its default products (the ones `ncd check` applies)."""
+def _tolerances(dtype="float32"):
+    """The limits the recurrence plan states for its default products at `dtype` (the ones `ncd check` applies)."""
     from ncd.backend import plan
 
     kernel_plan = plan(ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V}).front)
-    return {"o": kernel_plan.output_tolerance["float32"], "grad": kernel_plan.gradient_tolerance["float32"]}
+    return {"o": kernel_plan.output_tolerance[dtype], "grad": kernel_plan.gradient_tolerance[dtype]}
 
 
 def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
@@ -169,13 +169,11 @@ def test_bf16_inputs_scan_with_bf16_products_within_the_bf16_limits(gka_module, 
     assert gka_module._scan_precision(torch.float32) == "tf32"
     o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
-    from ncd.backend import plan
-
-    kernel_plan = plan(ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V}).front)
+    bound = _tolerances("bfloat16")
     assert o.dtype == torch.bfloat16
-    assert rms_ratio(o, ref) <= kernel_plan.output_tolerance["bfloat16"]
+    assert rms_ratio(o, ref) <= bound["o"]
     for name, got, want in zip(["q", "k", "v", "g", "beta", "alpha"], grads, ref_grads, strict=True):
-        assert rms_ratio(got, want) <= kernel_plan.gradient_tolerance["bfloat16"], name
+        assert rms_ratio(got, want) <= bound["grad"], name
     _, (h_bf16, s_bf16) = gka_module.chunk(*inputs, output_final_state=True, chunk_size=16)
     monkeypatch.setattr(gka_module, "_scan_precision", lambda dtype: "tf32")
     _, (h_tf32, s_tf32) = gka_module.chunk(*inputs, output_final_state=True, chunk_size=16)
