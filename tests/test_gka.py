@@ -307,6 +307,19 @@ def test_solve_is_tuned_per_step_count(gka_module):
     assert "n_iter" in gka_module._solve.keys
 
 
+def test_every_tuned_kernel_is_tuned_per_problem_size(gka_module):
+    """A config tuned on a small first call (bench/gka.py's 300-token check, a model's warm-up) must not be reused
+    at full size: the output kernel kept one that ran 225 us against 157 at T = 4096 (H100). So every autotuned
+    kernel's key holds WORK, the chunk x head count rounded up to a power of two."""
+    import triton
+
+    tuned = {name: obj for name, obj in vars(gka_module).items() if isinstance(obj, triton.runtime.Autotuner)}
+    assert {"_norm_fwd", "_solve", "_output_fwd", "_grads_h", "_grads_s"} <= set(tuned)
+    for name, kernel in tuned.items():
+        assert "WORK" in kernel.keys, name
+    assert gka_module._work(5, 2) == 16 and gka_module._work(512, 8) == 4096
+
+
 def test_plan_shows_the_derived_chunked_form():
     spec = str(ROOT / "specs" / "gka.ncd")
     result = subprocess.run([sys.executable, "-m", "ncd.cli", "compile", spec, "--emit", "plan"],
