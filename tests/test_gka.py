@@ -140,6 +140,28 @@ def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
     assert max(errors.values()) <= bound["grad"]  # two solves' rounding: x and the adjoint z
 
 
+@pytest.mark.parametrize("precision,bound", [("ieee", 1e-5), (None, 5e-4)])
+def test_saved_norms_match_the_frobenius_norm_of_the_naive_states(gka_module, monkeypatch, precision, bound):
+    """||H_t||_F as the forward saves it: the Gram term in the norm kernel, each chunk's initial-state terms from
+    the H scan (an initial state, so they matter from the first chunk). Default precision: the Gram term from
+    scaled fp16 operands."""
+    from ncd.gka_reference import _scaled
+
+    monkeypatch.setattr(gka_module, "DOT_PRECISION", precision)
+    q, k, v, g, b, a = draw(B=1, H=2, T=45)
+    h0 = torch.randn(1, 2, K, K)
+    h0 = h0 @ h0.transpose(-1, -2) / K
+    s0 = torch.randn(1, 2, K, V)
+    *_, norm = gka_module.forward(q, k, v, g, b, a, h0, s0, None, K ** -0.5, 0.02, 3, 16, False)
+    kb, _ = _scaled(k.double(), v.double(), b.double())
+    state, want = h0.double(), []
+    for t in range(q.shape[1]):
+        state = g[:, t].double().exp()[..., None, None] * state + kb[:, t, :, :, None] * kb[:, t, :, None, :]
+        want.append(state.pow(2).sum((-1, -2)).sqrt())
+    want = torch.stack(want, 1)
+    assert float(((norm.double() - want).abs() / want).max()) <= bound
+
+
 def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
     """States, keys and values far beyond fp16's range (65504 for values, their squares for keys): the scaled
     operands keep the default path finite and as accurate as at unit scale (unscaled, o would be NaN)."""
