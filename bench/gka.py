@@ -162,12 +162,12 @@ def measure(module, inputs, r, naive):
 
 def profile(module, ts, rs, layouts):
     """Per-kernel CUDA time (us per call, mean of 10 calls) of fla GDN's forward and ncd's forward and
-    forward+backward at each (T, r), for each layout "ROWSxCOLSxWARPS/BV" (the forward scans' tile and warps, both
-    scans; the output kernel's value columns). The backward's scan keeps its own tile (SCAN_TILES["bwd"])."""
+    forward+backward at each (T, r), for each layout "ROWSxCOLSxWARPS/BV" (the scans' tile and warps, both scans;
+    the output kernel's value columns)."""
     for layout in layouts:
         tile, bv = layout.split("/")
         ba, bb, warps = (int(x) for x in tile.split("x"))
-        module.SCAN_TILES = dict(module.SCAN_TILES, fwd=(ba, bb, warps))
+        module.SCAN_TILES = {"fwd": (ba, bb, warps), "bwd": (ba, bb, warps)}
         module.OUTPUT_BV = int(bv)
         log(f"scan tile {tile}, output BV {bv}")
         _profile(module, ts, rs)

@@ -180,6 +180,26 @@ def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
         assert torch.isfinite(got).all() and rms_ratio(got, want) <= bound["grad"]
 
 
+def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_module, monkeypatch):
+    """The forward's scans store fp16 state tiles over their own power-of-two scales; the solve and output kernels
+    put the tiles of one block back on a common scale. With 16 x 16 scan tiles (H in 2 x 2 tiles, S in 2 x 2, an
+    output block spanning two) and an initial state whose blocks differ by 1e4, a misplaced tile scale would be
+    off by orders of magnitude; read back right, o is as accurate as with one tile per state."""
+    monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
+    q, k, v, g, b, a = draw(B=1, H=2, T=40)
+    rows = torch.cat([torch.full((K // 2,), 1.0), torch.full((K // 2,), 100.0)])
+    h0 = torch.randn(1, 2, K, K) * rows[:, None]
+    h0 = h0 @ h0.transpose(-1, -2) / K
+    s0 = torch.randn(1, 2, K, V) * rows[:, None]
+    ref, _ = naive_gka(*f64((q, k, v, g, b, a)), initial_state=(h0.double(), s0.double()))
+    one_tile, _ = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
+    monkeypatch.setattr(gka_module, "SCAN_TILES", dict(gka_module.SCAN_TILES, fwd=(16, 16, 4)))
+    tiled, _ = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
+    bound = _tolerances()["o"]
+    assert rms_ratio(one_tile, ref) <= bound
+    assert rms_ratio(tiled, ref) <= bound
+
+
 def test_bf16_inputs_scan_with_bf16_products_within_the_bf16_limits(gka_module, monkeypatch):
     """bf16 inputs: the forward's state scans multiply bf16 operands (the keys exactly, the weighted right operand
     rounded); the backward recomputes its states with TF32 products. Output, final states and gradients against
@@ -340,6 +360,47 @@ def test_every_tuned_kernel_is_tuned_per_problem_size(gka_module):
     for name, kernel in tuned.items():
         assert "WORK" in kernel.keys, name
     assert gka_module._work(5, 2) == 16 and gka_module._work(512, 8) == 4096
+
+
+def test_every_launch_passes_only_arguments_its_kernel_takes(gka_module, monkeypatch):
+    """A compiled GPU launch rejects a keyword its kernel does not declare; the interpreter accepts it silently (the
+    backward's untuned scan was passed WORK, and failed only on the GPU). So every launch of a forward and backward,
+    with initial and final states, is checked against the kernel's parameters here."""
+    import inspect
+
+    import triton
+
+    launched = set()
+
+    def python_function(kernel):
+        while hasattr(kernel, "fn"):
+            kernel = kernel.fn
+        return kernel
+
+    class StrictKernel:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+            self.params = set(inspect.signature(python_function(kernel)).parameters)
+            self.options = set() if isinstance(kernel, triton.runtime.Autotuner) else {"num_warps", "num_stages"}
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.add(self.name)
+                assert len(args) + len(kwargs) <= len(self.params) + len(self.options), self.name
+                assert set(kwargs) <= self.params | self.options, (self.name, set(kwargs) - self.params - self.options)
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    kernels = {name: obj for name, obj in vars(gka_module).items() if name.startswith("_") and hasattr(obj, "fn")
+               and "tl.program_id" in inspect.getsource(python_function(obj))}  # launched, not device functions
+    for name, kernel in kernels.items():
+        monkeypatch.setattr(gka_module, name, StrictKernel(name, kernel))
+    monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
+    q, k, v, g, b, a = draw(B=1, H=2, T=20)
+    h0 = torch.randn(1, 2, K, K)
+    state = (h0 @ h0.transpose(-1, -2) / K, torch.randn(1, 2, K, V))
+    _forward_and_grads(partial(gka_module.chunk, chunk_size=16, output_final_state=True), (q, k, v, g, b, a), state)
+    assert launched == set(kernels)
 
 
 def test_plan_shows_the_derived_chunked_form():
