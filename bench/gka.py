@@ -15,7 +15,7 @@ chunked reference's own error beside it) for each product-precision variant (--v
 Run from outside the repository so the installed ncd is imported:
     cd /tmp && python3 /path/to/repo/bench/gka.py [--ts 2048,4096,8192] [--rs 10,30] [--no-naive]
 On a fresh machine, compiling (ncd's kernels for every dtype and precision variant, fla's autotuned ones) takes most
-of a 10-minute call, so run `--check-only` first (about 250 s on a fresh machine), then the full benchmark on the
+of a 10-minute call, so run `--check-only` first (250-375 s on a fresh machine), then the full benchmark on the
 same, now warm, machine (395 s with `--variants default` on a warm H200; 2026-11-21).
 Prints a short table last; full numbers go to $OUT/gka.json when OUT is set. Beside do_bench's times the table has
 the forward's kernel time (torch.profiler CUDA time per call) for ncd and fla GDN: GDN's forward is host-bound at
