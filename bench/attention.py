@@ -431,6 +431,8 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
                     best = (ms, tile)
             module.DETERMINISTIC_BWD = True
             log(f"  best fused: {best}")
+            ms = do_bench(lambda: module.backward(do, q, k, v, o, stats), return_mode="median")
+            log(f"  bwd deterministic (delta, dK/dV, dQ; autotuned) for comparison: {ms:.3f} ms")
         if "bwd" in kinds:
             # the op's own autotuned fwd+bwd against SDPA's, as the table times them
             qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))

@@ -326,3 +326,21 @@ def test_pointer_and_tma_paths_agree(family, tmp_path):
     for other in results[1:]:
         for got, want in zip(other, results[0], strict=True):
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["softmax", "spherical"])
+def test_atomic_dq_backward_matches_float64(family, tmp_path):
+    """DETERMINISTIC_BWD = False: one kernel per key block adds its dQ share into an fp32 accumulator with
+    atomics; causal, grouped heads, per-key weights, ragged sizes."""
+    module = load_attention_module(compiled_kernel_spec(family, causal=True, has_weight=True), tmp_path)
+    module.POISON_OUTPUTS, module.DETERMINISTIC_BWD = True, False
+    q, k, v, w = _inputs(2, 4, 2, 37, 45, 16, torch.float32, True, False)
+    scale = 0.25
+    o = module.attention(q, k, v, w, scale)
+    grad_o = torch.randn_like(o)
+    o.backward(grad_o)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference(family, q64, k64, v64, w.double(), scale, True).backward(grad_o.double())
+    for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
+        assert torch.isfinite(got).all(), f"{name}: unwritten (NaN-poisoned) or non-finite"
+        assert rel_err(got, want) < 1e-4, f"{name}: rel err {rel_err(got, want):.2e}"
