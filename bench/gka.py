@@ -160,7 +160,7 @@ def measure(module, inputs, r, naive):
     return cell
 
 
-def profile(module, ts, rs, layouts):
+def profile(module, ts, rs, layouts, backward=True):
     """Per-kernel CUDA time (us per call, mean of 10 calls) of fla GDN's forward and ncd's forward and
     forward+backward at each (T, r), for each layout "ROWSxCOLSxWARPS/BV" (the scans' tile and warps, both scans;
     the output kernel's value columns)."""
@@ -170,7 +170,7 @@ def profile(module, ts, rs, layouts):
         module.SCAN_TILES = {"fwd": (ba, bb, warps), "bwd": (ba, bb, warps)}
         module.OUTPUT_BV = int(bv)
         log(f"scan tile {tile}, output BV {bv}")
-        _profile(module, ts, rs)
+        _profile(module, ts, rs, backward)
 
 
 def kernel_times(step, calls=10):
@@ -190,7 +190,7 @@ def kernel_times(step, calls=10):
             if event.device_time_total > 0}
 
 
-def _profile(module, ts, rs):
+def _profile(module, ts, rs, backward=True):
     for t in ts:
         inputs = draw(B, t, H, seed=3)
         leaves = [x.detach().requires_grad_() for x in inputs]
@@ -203,8 +203,9 @@ def _profile(module, ts, rs):
             pass
         for r in rs:
             steps.append((f"r {r} fwd", lambda r=r: module.chunk(*inputs, num_iter=r)))  # noqa: B023
-            steps.append((f"r {r} fwd+bwd", lambda r=r: torch.autograd.grad(
-                module.chunk(*leaves, num_iter=r)[0], leaves, do)))  # noqa: B023
+            if backward:
+                steps.append((f"r {r} fwd+bwd", lambda r=r: torch.autograd.grad(
+                    module.chunk(*leaves, num_iter=r)[0], leaves, do)))  # noqa: B023
         for label, step in steps:
             times = kernel_times(step)
             log(f"T {t} {label}:")
@@ -225,6 +226,7 @@ def main():
                         help="--profile: layouts to compare, scan tile ROWSxCOLSxWARPS / output kernel BV")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel times of ncd's forward and backward (and fla GDN's forward), then exit")
+    parser.add_argument("--forward-only", action="store_true", help="--profile: the forward alone")
     args = parser.parse_args()
     ts = [int(t) for t in args.ts.split(",")]
     rs = [int(r) for r in args.rs.split(",")]
@@ -232,7 +234,7 @@ def main():
     op = ncd.load(shipped_spec("gka"))
     module = op.module
     if args.profile:
-        profile(module, ts, rs, args.layouts.split(","))
+        profile(module, ts, rs, args.layouts.split(","), backward=not args.forward_only)
         return
     failures: list[str] = []
     check(module, failures, args.variants.split(","))
