@@ -146,16 +146,19 @@ def test_forward_and_gradients_match_float64_reference(case, tmp_path):
     o = module.attention(q, k, v, w, scale)
     assert o.dtype == dtype and o.shape == (batch, hq, n_q, dim)
     assert torch.isfinite(o).all(), "unwritten (NaN-poisoned) or non-finite output"
+    _assert_matches_float64(family, o, q, k, v, w, scale, causal, tol)
+
+
+def _assert_matches_float64(family, o, q, k, v, w, scale, causal, tol):
+    """o and the gradients it sends to q, k, v (through a fresh random grad_o) within tol of float64."""
     grad_o = torch.randn_like(o)
     o.backward(grad_o)
-
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = reference(family, q64, k64, v64, None if w is None else w.double(), scale, causal)
     ref.backward(grad_o.double())
-
     assert rel_err(o.detach(), ref.detach()) < tol
     for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
-        assert got.dtype == dtype and got.shape == want.shape
+        assert got.dtype == q.dtype and got.shape == want.shape
         assert torch.isfinite(got).all(), f"{name}: unwritten (NaN-poisoned) or non-finite"
         assert rel_err(got, want) < tol, f"{name}: rel err {rel_err(got, want):.2e}"
 
@@ -335,12 +338,4 @@ def test_atomic_dq_backward_matches_float64(family, tmp_path):
     module = load_attention_module(compiled_kernel_spec(family, causal=True, has_weight=True), tmp_path)
     module.POISON_OUTPUTS, module.DETERMINISTIC_BWD = True, False
     q, k, v, w = _inputs(2, 4, 2, 37, 45, 16, torch.float32, True, False)
-    scale = 0.25
-    o = module.attention(q, k, v, w, scale)
-    grad_o = torch.randn_like(o)
-    o.backward(grad_o)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    reference(family, q64, k64, v64, w.double(), scale, True).backward(grad_o.double())
-    for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
-        assert torch.isfinite(got).all(), f"{name}: unwritten (NaN-poisoned) or non-finite"
-        assert rel_err(got, want) < 1e-4, f"{name}: rel err {rel_err(got, want):.2e}"
+    _assert_matches_float64(family, module.attention(q, k, v, w, 0.25), q, k, v, w, 0.25, True, 1e-4)
