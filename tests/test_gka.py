@@ -75,6 +75,28 @@ def test_forward_matches_the_naive_recurrence_and_is_close_to_the_exact_solve(gk
     assert vs_exact < 0.05
 
 
+def test_inference_call_skips_the_saved_solution_and_gives_the_same_output(gka_module, monkeypatch):
+    """Without a backward to follow (no_grad, or no input requiring a gradient) the solve does not store x; the
+    output is the same bits as a call that saves it for the backward."""
+    saved = []
+    forward = gka_module.forward
+
+    def spy(*args):
+        out = forward(*args)
+        saved.append(out[3].numel())
+        return out
+
+    monkeypatch.setattr(gka_module, "forward", spy)
+    inputs = draw()
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    with_grad, _ = gka_module.chunk(*leaves, chunk_size=16)
+    with torch.no_grad():
+        in_no_grad, _ = gka_module.chunk(*leaves, chunk_size=16)
+    plain, _ = gka_module.chunk(*inputs, chunk_size=16)
+    assert saved == [inputs[0].numel(), 0, 0]
+    assert torch.equal(with_grad.detach(), in_no_grad) and torch.equal(in_no_grad, plain)
+
+
 @pytest.mark.parametrize("beta,alpha", [(True, True), (False, False)])
 def test_all_gradients_and_states_match_autograd_through_the_naive_recurrence(gka_module, beta, alpha):
     B, H = 2, 2
