@@ -55,9 +55,19 @@ SPECS = {
     ("softmax", False): "softmax_attention.ncd",
     ("softmax", True): "causal_softmax_attention.ncd",
 }
-# Backward variants of the generated module (module flag DETERMINISTIC_BWD): False = one fused kernel
-# with fp32 atomic dQ, True = dK/dV and dQ kernels (deterministic).
-BWD_VARIANTS = {"atomic": False, "twokernel": True}
+# Backward variants of the generated module, as the module flags they set: one fused kernel with fp32 atomic dQ;
+# dK/dV and dQ kernels, the dQ kernel recomputing S and dP; dK/dV storing dS and dQ = dS K from it.
+BWD_VARIANTS = {"atomic": {"DETERMINISTIC_BWD": False},
+                "recompute": {"DETERMINISTIC_BWD": True, "DS_BUFFER_BYTES": 0},
+                "stored-ds": {"DETERMINISTIC_BWD": True, "DS_BUFFER_BYTES": 1 << 40}}
+
+
+def _set_flags(module, flags: dict) -> dict:
+    """Sets the module flags; returns their old values."""
+    old = {name: getattr(module, name) for name in flags}
+    for name, value in flags.items():
+        setattr(module, name, value)
+    return old
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -99,14 +109,13 @@ def check(ops, log, n: int = 1000, variants: bool = True) -> bool:
     ok = True
     batch, heads = 2, 4
     for (family, causal), op in ops.items():
-        default = getattr(op.module, "DETERMINISTIC_BWD", None)
-        bwd = dict(BWD_VARIANTS) if default is not None and variants else {"default": None}
+        has_variants = hasattr(op.module, "DETERMINISTIC_BWD") and variants
+        bwd = dict(BWD_VARIANTS) if has_variants else {"default": {}}
         forms = {"factorized": "always", "streamed": "never"} if hasattr(op.module, "FACTORIZE") else {"": None}
         cases = [(f"{v}{'+' + f if f else ''}", flag, form)
                  for v, flag in bwd.items() for f, form in forms.items()]
-        for vname, flag, form in cases:
-            if flag is not None:
-                op.module.DETERMINISTIC_BWD = flag
+        for vname, flags, form in cases:
+            old_flags = _set_flags(op.module, flags)
             if form is not None:
                 op.module.FACTORIZE = form
             op.module.POISON_OUTPUTS = True
@@ -130,8 +139,7 @@ def check(ops, log, n: int = 1000, variants: bool = True) -> bool:
             log(f"check {family:9s} causal={causal!s:5s} bwd={vname:20s} finite={finite} "
                 + " ".join(f"{key}={val:.2e}" for key, val in errs.items()) + ("  OK" if good else "  FAIL"))
             op.module.POISON_OUTPUTS = False
-        if default is not None:
-            op.module.DETERMINISTIC_BWD = default
+            _set_flags(op.module, old_flags)
         if hasattr(op.module, "FACTORIZE"):
             op.module.FACTORIZE = "auto"
     return ok
@@ -161,14 +169,13 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool, impls=
             fn(q, k, v).backward(grad)
         return run
 
-    def with_flag(module, flag, run):
+    def with_flags(module, flags, run):
         def wrapped():
-            old = module.DETERMINISTIC_BWD
-            module.DETERMINISTIC_BWD = flag
+            old = _set_flags(module, flags)
             try:
                 run()
             finally:
-                module.DETERMINISTIC_BWD = old
+                _set_flags(module, old)
         return wrapped
 
     def sdpa(q_, k_, v_):
@@ -208,8 +215,8 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool, impls=
     if variants:
         for name, op in (("spherical", sph), ("softmax", smx)):
             if op is not None and hasattr(op.module, "DETERMINISTIC_BWD"):
-                for vname, flag in BWD_VARIANTS.items():
-                    cases.append((f"{name}[{vname}]", "fwdbwd", with_flag(op.module, flag, fwdbwd(op))))
+                for vname, flags in BWD_VARIANTS.items():
+                    cases.append((f"{name}[{vname}]", "fwdbwd", with_flags(op.module, flags, fwdbwd(op))))
     rows = []
     for name, mode, run in cases:
         row = {"n": n, "batch": batch, "causal": causal, "impl": name, "mode": mode}
@@ -340,6 +347,8 @@ FUSED_TILES = [(64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 2), (32, 128, 8, 2),
                (128, 64, 8, 2), (128, 128, 8, 2)]
 DQ_TILES = [(128, 64, 8, 3), (64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 4),
             (64, 64, 4, 4), (128, 128, 8, 3)]
+DQ_DS_TILES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4),
+               (64, 128, 4, 3), (256, 128, 8, 2)]
 
 
 def _kernel(module, suffix):
@@ -370,7 +379,9 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
     sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), return_mode="median")
     log(f"tiles {family} causal={causal} N={n}: SDPA fwd {sdpa_ms:.3f} ms ({flops / sdpa_ms / 1e9:.0f} TFLOP/s)")
     saved = {suffix: list(_kernel(module, suffix).configs)
-             for suffix in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_fused_kernel")}
+             for suffix in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_dq_ds_kernel",
+                            "_bwd_fused_kernel")}
+    ds_default = module.DS_BUFFER_BYTES
     try:
         if "fwd" in kinds:
             best = None
@@ -395,7 +406,10 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
             log(f"  best fwd: {best}")
         if "bwd" in kinds:
             o, stats = module.forward(q, k, v)
-            for suffix, tiles in (("_bwd_dkdv_kernel", DKDV_TILES), ("_bwd_dq_kernel", DQ_TILES)):
+            for suffix, tiles, ds_bytes in (("_bwd_dkdv_kernel", DKDV_TILES, 0), ("_bwd_dq_kernel", DQ_TILES, 0),
+                                            ("_bwd_dkdv_kernel", DKDV_TILES, 1 << 40),
+                                            ("_bwd_dq_ds_kernel", DQ_DS_TILES, 1 << 40)):
+                module.DS_BUFFER_BYTES = ds_bytes  # 0: the dQ kernel recomputes S and dP; else dQ = dS K
                 best = None
                 for tile in tiles:
                     if time.time() > deadline:
@@ -412,7 +426,8 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
                 kernel = _kernel(module, suffix)
                 kernel.configs = saved[suffix]
                 kernel.cache.clear()
-                log(f"  best {suffix}: {best}")
+                log(f"  best {suffix} ({'stored dS' if ds_bytes else 'recompute'}): {best}")
+            module.DS_BUFFER_BYTES = ds_default
         if "fused" in kinds:  # the atomic-dQ backward (5 products per block pair instead of 7)
             o, stats = module.forward(q, k, v)
             module.DETERMINISTIC_BWD = False
@@ -445,6 +460,7 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
             ours_ms, sdpa_ms = (do_bench(f, return_mode="median") for f in (ours, sdpa))
             log(f"  fwd+bwd autotuned {ours_ms:.3f} ms, SDPA {sdpa_ms:.3f} ms: {sdpa_ms / ours_ms:.2f}x")
     finally:
+        module.DS_BUFFER_BYTES = ds_default
         for suffix, configs in saved.items():
             _kernel(module, suffix).configs = configs
             _kernel(module, suffix).cache.clear()

@@ -19,6 +19,15 @@ def _choice(name: str, allowed: tuple[str, ...]) -> str | None:
     return value
 
 
+def _bytes(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{name} must be a whole number of bytes (0 or more), not {value!r}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class Settings:
     verify: bool  # NCD_VERIFY: re-verify the IR after every stage (default on)
@@ -27,6 +36,9 @@ class Settings:
     attention_factorize: str  # NCD_ATTENTION_FACTORIZE: auto (cost model) | always | never
     gka_dot_precision: str | None = None  # NCD_GKA_DOT_PRECISION: fp16 (scaled; default) | tf32 | tf32x3 | ieee | bf16
     gka_grad_precision: str | None = None  # NCD_GKA_GRAD_PRECISION: tf32x3 (default) | tf32 | ieee
+    # NCD_ATTENTION_DS_BUFFER_BYTES: the largest dS buffer the attention backward may allocate to skip
+    # recomputing S and dP in its dQ kernel (0: never); None keeps the generated module's default (4 GiB)
+    attention_ds_buffer_bytes: int | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -39,7 +51,8 @@ class Settings:
         precision = _choice("NCD_GKA_DOT_PRECISION", ("fp16", "tf32", "tf32x3", "ieee", "bf16"))
         grad_precision = _choice("NCD_GKA_GRAD_PRECISION", ("tf32", "tf32x3", "ieee"))
         return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=Path(cache),
-                   attention_factorize=factorize, gka_dot_precision=precision, gka_grad_precision=grad_precision)
+                   attention_factorize=factorize, gka_dot_precision=precision, gka_grad_precision=grad_precision,
+                   attention_ds_buffer_bytes=_bytes("NCD_ATTENTION_DS_BUFFER_BYTES"))
 
 
 def settings() -> Settings:

@@ -135,10 +135,12 @@ def _case_id(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-def test_forward_and_gradients_match_float64_reference(case, tmp_path):
+def test_forward_and_gradients_match_float64_reference(case, tmp_path, monkeypatch):
     family, causal, weight, (batch, hq, hkv, n_q, n_k, dim), dtype, noncontig = case
     module = load_attention_module(compiled_kernel_spec(family, causal, weight), tmp_path)
     module.POISON_OUTPUTS = True
+    # the dQ kernel that recomputes S and dP; DS_CASES test the stored-dS one
+    monkeypatch.setattr(module, "DS_BUFFER_BYTES", 0)
     q, k, v, w = _inputs(batch, hq, hkv, n_q, n_k, dim, dtype, weight, noncontig)
     scale = 1.0 / math.sqrt(dim) * (0.7 if family == "softmax" else 1.0)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -147,6 +149,37 @@ def test_forward_and_gradients_match_float64_reference(case, tmp_path):
     assert o.dtype == dtype and o.shape == (batch, hq, n_q, dim)
     assert torch.isfinite(o).all(), "unwritten (NaN-poisoned) or non-finite output"
     _assert_matches_float64(family, o, q, k, v, w, scale, causal, tol)
+
+
+DS_CASES = [  # the backward that stores dS and computes dQ = dS K from it: odd sizes both ways, GQA, weights
+    ("spherical", True, True, (1, 4, 2, 45, 20, 16), torch.float32, False),
+    ("softmax", True, False, (2, 4, 2, 20, 45, 16), torch.float32, True),
+    ("sigmoid", False, True, (2, 4, 2, 37, 29, 16), torch.float32, False),
+    ("softmax", True, True, (1, 2, 1, 37, 37, 32), torch.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("case", DS_CASES, ids=[_case_id(c) for c in DS_CASES])
+def test_backward_from_stored_ds_matches_float64_reference(case, tmp_path, monkeypatch):
+    family, causal, weight, (batch, hq, hkv, n_q, n_k, dim), dtype, noncontig = case
+    module = load_attention_module(compiled_kernel_spec(family, causal, weight), tmp_path)
+    module.POISON_OUTPUTS = True
+    monkeypatch.setattr(module, "DS_BUFFER_BYTES", 1 << 20)
+    launched = []
+    kernel = getattr(module, f"_{family}_bwd_dq_ds_kernel")
+    # query tiles twice the dK/dV kernel's: dS tiles straddling the diagonal then hold entries it never wrote
+    monkeypatch.setitem(kernel.configs[0].kwargs, "BLOCK_M", 32)
+    monkeypatch.setattr(kernel, "run", lambda *a, _run=kernel.run, **kw: launched.append(1) or _run(*a, **kw))
+    q, k, v, w = _inputs(batch, hq, hkv, n_q, n_k, dim, dtype, weight, noncontig)
+    scale = 1.0 / math.sqrt(dim)
+    o = module.attention(q, k, v, w, scale)
+    _assert_matches_float64(family, o, q, k, v, w, scale, causal, 1e-4 if dtype == torch.float32 else 2e-2)
+    assert launched == [1], "the backward did not take the stored-dS path"
+    row = -(-n_q // 8) * 8  # the rows of the buffer padded for TMA
+    module.DS_BUFFER_BYTES = batch * hq * n_k * row * q.element_size() - 1  # one byte short: recompute
+    o = module.attention(q, k, v, w, scale)
+    o.backward(torch.randn_like(o))
+    assert launched == [1]
 
 
 def _assert_matches_float64(family, o, q, k, v, w, scale, causal, tol):

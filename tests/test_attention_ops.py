@@ -270,3 +270,14 @@ def test_factorized_op_registration_and_compile(op_cache):
         torch.testing.assert_close(op(q, k, v), eager, rtol=1e-4, atol=1e-5)
     finally:
         op.module.FACTORIZE = "auto"
+
+
+def test_ds_buffer_setting_is_validated(monkeypatch):
+    from ncd.settings import Settings
+
+    assert Settings.from_env().attention_ds_buffer_bytes is None
+    monkeypatch.setenv("NCD_ATTENTION_DS_BUFFER_BYTES", "0")
+    assert Settings.from_env().attention_ds_buffer_bytes == 0
+    monkeypatch.setenv("NCD_ATTENTION_DS_BUFFER_BYTES", "4GB")
+    with pytest.raises(ValueError, match="NCD_ATTENTION_DS_BUFFER_BYTES must be a whole number of bytes"):
+        Settings.from_env()
