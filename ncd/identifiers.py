@@ -16,7 +16,8 @@ _PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 _GENERATED = {"torch", "triton", "tl", "math", "ncd", "self", "cls", "ctx", "grad", "prev",
               # the generated op module's imports and globals (the spec's name becomes a function there)
               "os", "sys", "Optional", "Tuple", "forward", "backward", "attention", "Attention", "Module",
-              "NAME", "ONLINE_MAX", "CAUSAL", "HAS_WEIGHT", "POISON_OUTPUTS", "DETERMINISTIC_BWD", "DS_BUFFER_BYTES", "USE_TMA",
+              "NAME", "ONLINE_MAX", "CAUSAL", "HAS_WEIGHT", "POISON_OUTPUTS", "DETERMINISTIC_BWD", "DS_BUFFER_BYTES",
+              "DS_BULK_STORE", "USE_TMA",
               "EXP2_MAPS"}
 # Keywords of the spec language itself, reserved everywhere so a name never reads as a statement.
 SPEC_KEYWORDS = {"spec", "axis", "const", "in", "param", "out", "basis", "over", "for"}
