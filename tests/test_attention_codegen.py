@@ -159,14 +159,15 @@ DS_CASES = [  # the backward that stores dS and computes dQ = dS K from it: odd 
 ]
 
 
-@pytest.mark.parametrize("bulk", [True, False], ids=["bulk-store", "pointer-store"])
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("case", DS_CASES, ids=[_case_id(c) for c in DS_CASES])
-def test_backward_from_stored_ds_matches_float64_reference(case, bulk, tmp_path, monkeypatch):
+def test_backward_from_stored_ds_matches_float64_reference(case, tma, tmp_path, monkeypatch):
+    """Both ways of moving dS: bulk copies (TMA) and pointer loads and stores (GPUs without TMA)."""
     family, causal, weight, (batch, hq, hkv, n_q, n_k, dim), dtype, noncontig = case
     module = load_attention_module(compiled_kernel_spec(family, causal, weight), tmp_path)
     module.POISON_OUTPUTS = True
     monkeypatch.setattr(module, "DS_BUFFER_BYTES", 1 << 20)
-    monkeypatch.setattr(module, "DS_BULK_STORE", bulk)
+    monkeypatch.setattr(module, "USE_TMA", tma)
     launched = []
     kernel = getattr(module, f"_{family}_bwd_dq_ds_kernel")
     # query tiles twice the dK/dV kernel's: dS tiles straddling the diagonal then hold entries it never wrote
