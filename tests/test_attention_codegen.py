@@ -185,6 +185,27 @@ def test_backward_from_stored_ds_matches_float64_reference(case, tma, tmp_path, 
     assert launched == [1]
 
 
+def test_backward_recomputes_when_the_ds_buffer_cannot_be_allocated(tmp_path, monkeypatch):
+    module = load_attention_module(compiled_kernel_spec("softmax", True, False), tmp_path)
+    module.POISON_OUTPUTS = True
+    monkeypatch.setattr(module, "DS_BUFFER_BYTES", 1 << 20)
+    q, k, v, _ = _inputs(1, 2, 1, 21, 19, 16, torch.float32, False, False)
+    ds_shape = (2, 19, 24)  # [B * Hq, Nk, Nq rounded up to 8]
+
+    def new(shape, dtype, device, _new=module._new):
+        if tuple(shape) == ds_shape:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return _new(shape, dtype, device)
+
+    monkeypatch.setattr(module, "_new", new)
+    launched = []
+    kernel = module._softmax_bwd_dq_kernel
+    monkeypatch.setattr(kernel, "run", lambda *a, _run=kernel.run, **kw: launched.append(1) or _run(*a, **kw))
+    o = module.attention(q, k, v, None, 0.25)
+    _assert_matches_float64("softmax", o, q, k, v, None, 0.25, True, 1e-4)
+    assert launched == [1], "the backward did not fall back to the recomputing dQ kernel"
+
+
 def _assert_matches_float64(family, o, q, k, v, w, scale, causal, tol):
     """o and the gradients it sends to q, k, v (through a fresh random grad_o) within tol of float64."""
     grad_o = torch.randn_like(o)
