@@ -272,12 +272,17 @@ def test_factorized_op_registration_and_compile(op_cache):
         op.module.FACTORIZE = "auto"
 
 
-def test_ds_buffer_setting_is_validated(monkeypatch):
+def test_ds_buffer_setting_is_validated_and_reaches_the_op(monkeypatch, tmp_path):
     from ncd.settings import Settings
 
+    monkeypatch.delenv("NCD_ATTENTION_DS_BUFFER_BYTES", raising=False)
     assert Settings.from_env().attention_ds_buffer_bytes is None
-    monkeypatch.setenv("NCD_ATTENTION_DS_BUFFER_BYTES", "0")
-    assert Settings.from_env().attention_ds_buffer_bytes == 0
     monkeypatch.setenv("NCD_ATTENTION_DS_BUFFER_BYTES", "4GB")
     with pytest.raises(ValueError, match="NCD_ATTENTION_DS_BUFFER_BYTES must be a whole number of bytes"):
         Settings.from_env()
+    monkeypatch.setenv("NCD_ATTENTION_DS_BUFFER_BYTES", "12345")
+    assert Settings.from_env().attention_ds_buffer_bytes == 12345
+    spec = next(p for p in SPECS if p.stem == "sigmoid_attention")
+    code = f"import ncd; print(ncd.load({str(spec)!r}, cache_dir={str(tmp_path)!r}).module.DS_BUFFER_BYTES)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "12345", out.stderr[-2000:]
