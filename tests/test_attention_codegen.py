@@ -151,6 +151,13 @@ def test_forward_and_gradients_match_float64_reference(case, tmp_path, monkeypat
     _assert_matches_float64(family, o, q, k, v, w, scale, causal, tol)
 
 
+def _count_launches(kernel, monkeypatch):
+    """A list that gets one entry per launch of kernel."""
+    launched = []
+    monkeypatch.setattr(kernel, "run", lambda *a, _run=kernel.run, **kw: launched.append(1) or _run(*a, **kw))
+    return launched
+
+
 DS_CASES = [  # the backward that stores dS and computes dQ = dS K from it: odd sizes both ways, GQA, weights
     ("spherical", True, True, (1, 4, 2, 45, 20, 16), torch.float32, False),
     ("softmax", True, False, (2, 4, 2, 20, 45, 16), torch.float32, True),
@@ -168,11 +175,10 @@ def test_backward_from_stored_ds_matches_float64_reference(case, tma, tmp_path, 
     module.POISON_OUTPUTS = True
     monkeypatch.setattr(module, "DS_BUFFER_BYTES", 1 << 20)
     monkeypatch.setattr(module, "USE_TMA", tma)
-    launched = []
     kernel = getattr(module, f"_{family}_bwd_dq_ds_kernel")
     # query tiles twice the dK/dV kernel's: dS tiles straddling the diagonal then hold entries it never wrote
     monkeypatch.setitem(kernel.configs[0].kwargs, "BLOCK_M", 32)
-    monkeypatch.setattr(kernel, "run", lambda *a, _run=kernel.run, **kw: launched.append(1) or _run(*a, **kw))
+    launched = _count_launches(kernel, monkeypatch)
     q, k, v, w = _inputs(batch, hq, hkv, n_q, n_k, dim, dtype, weight, noncontig)
     scale = 1.0 / math.sqrt(dim)
     o = module.attention(q, k, v, w, scale)
@@ -198,9 +204,7 @@ def test_backward_recomputes_when_the_ds_buffer_cannot_be_allocated(tmp_path, mo
         return _new(shape, dtype, device)
 
     monkeypatch.setattr(module, "_new", new)
-    launched = []
-    kernel = module._softmax_bwd_dq_kernel
-    monkeypatch.setattr(kernel, "run", lambda *a, _run=kernel.run, **kw: launched.append(1) or _run(*a, **kw))
+    launched = _count_launches(module._softmax_bwd_dq_kernel, monkeypatch)
     o = module.attention(q, k, v, None, 0.25)
     _assert_matches_float64("softmax", o, q, k, v, None, 0.25, True, 1e-4)
     assert launched == [1], "the backward did not fall back to the recomputing dQ kernel"
