@@ -145,7 +145,7 @@ def measure(module, inputs, r, naive):
     module.DOT_PRECISION = None  # the default: scaled fp16 products in the solve and output kernels
     cell["fwd"] = ms(lambda: module.chunk(*inputs, num_iter=r))
     cell["fwd_kernels"] = sum(us for us, _ in kernel_times(lambda: module.chunk(*inputs, num_iter=r)).values()) / 1e3
-    cell["fb"] = ms(ncd_step)  # the default backward: 3xTF32 products
+    cell["fb"] = ms(ncd_step)  # the default backward: fp16x3 products (split operands)
     module.GRAD_PRECISION = "tf32"
     cell["fb_tf32"] = ms(ncd_step)
     module.GRAD_PRECISION = None
@@ -160,17 +160,20 @@ def measure(module, inputs, r, naive):
     return cell
 
 
-def profile(module, ts, rs, layouts, backward=True):
+def profile(module, ts, rs, layouts, grads, backward=True):
     """Per-kernel CUDA time (us per call, mean of 10 calls) of fla GDN's forward and ncd's forward and
     forward+backward at each (T, r), for each layout "ROWSxCOLSxWARPS/BV" (the scans' tile and warps, both scans;
-    the output kernel's value columns)."""
+    the output kernel's value columns) and each backward product precision (module GRAD_PRECISION)."""
     for layout in layouts:
         tile, bv = layout.split("/")
         ba, bb, warps = (int(x) for x in tile.split("x"))
         module.SCAN_TILES = {"fwd": (ba, bb, warps), "bwd": (ba, bb, warps)}
         module.OUTPUT_BV = int(bv)
-        log(f"scan tile {tile}, output BV {bv}")
-        _profile(module, ts, rs, backward)
+        for grad in grads:
+            module.GRAD_PRECISION = None if grad == "default" else grad
+            log(f"scan tile {tile}, output BV {bv}, backward products {grad}")
+            _profile(module, ts, rs, backward)
+    module.GRAD_PRECISION = None
 
 
 def kernel_times(step, calls=10):
@@ -227,6 +230,8 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel times of ncd's forward and backward (and fla GDN's forward), then exit")
     parser.add_argument("--forward-only", action="store_true", help="--profile: the forward alone")
+    parser.add_argument("--grads", default="default",
+                        help="--profile: backward product precisions to compare (module GRAD_PRECISION)")
     args = parser.parse_args()
     ts = [int(t) for t in args.ts.split(",")]
     rs = [int(r) for r in args.rs.split(",")]
@@ -234,7 +239,7 @@ def main():
     op = ncd.load(shipped_spec("gka"))
     module = op.module
     if args.profile:
-        profile(module, ts, rs, args.layouts.split(","), backward=not args.forward_only)
+        profile(module, ts, rs, args.layouts.split(","), args.grads.split(","), backward=not args.forward_only)
         return
     failures: list[str] = []
     check(module, failures, args.variants.split(","))

@@ -35,7 +35,7 @@ class Settings:
     cache_dir: Path  # NCD_CACHE_DIR: where compiled ops are cached
     attention_factorize: str  # NCD_ATTENTION_FACTORIZE: auto (cost model) | always | never
     gka_dot_precision: str | None = None  # NCD_GKA_DOT_PRECISION: fp16 (scaled; default) | tf32 | tf32x3 | ieee | bf16
-    gka_grad_precision: str | None = None  # NCD_GKA_GRAD_PRECISION: tf32x3 (default) | tf32 | ieee
+    gka_grad_precision: str | None = None  # NCD_GKA_GRAD_PRECISION: fp16x3 (default) | tf32x3 | tf32 | ieee
     # NCD_ATTENTION_DS_BUFFER_BYTES: the largest dS buffer the attention backward may allocate to skip
     # recomputing S and dP in its dQ kernel (0: never); None keeps the generated module's default (4 GiB)
     attention_ds_buffer_bytes: int | None = None
@@ -49,7 +49,7 @@ class Settings:
         if factorize not in ("auto", "always", "never"):
             raise ValueError(f"NCD_ATTENTION_FACTORIZE must be auto, always or never, not {factorize!r}")
         precision = _choice("NCD_GKA_DOT_PRECISION", ("fp16", "tf32", "tf32x3", "ieee", "bf16"))
-        grad_precision = _choice("NCD_GKA_GRAD_PRECISION", ("tf32", "tf32x3", "ieee"))
+        grad_precision = _choice("NCD_GKA_GRAD_PRECISION", ("fp16x3", "tf32x3", "tf32", "ieee"))
         return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=Path(cache),
                    attention_factorize=factorize, gka_dot_precision=precision, gka_grad_precision=grad_precision,
                    attention_ds_buffer_bytes=_bytes("NCD_ATTENTION_DS_BUFFER_BYTES"))

@@ -162,6 +162,28 @@ def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
     assert max(errors.values()) <= bound["grad"]  # two solves' rounding: x and the adjoint z
 
 
+def test_backward_split_fp16_products_match_fp32_products(gka_module, monkeypatch):
+    """The backward's accumulation kernels multiply fp16x3 products by default (each fp32 operand split into two
+    scaled fp16 ones, three products): about fp32 accuracy, which the gate gradient's cancelling sums need (TF32
+    puts dg 4e-2 from float64 at T = 2048). Against the same backward with IEEE fp32 products every gradient agrees
+    to 1e-5; without the low halves (one fp16 product) they differ by 1e-3 to 7e-3. (The solves run IEEE products
+    in both: the default fp16 solve's own rounding would hide the difference.)"""
+    monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
+    monkeypatch.setattr(gka_module, "GRAD_PRECISION", None)
+    assert gka_module._grad_precision(torch.float32) == "fp16x3"
+    monkeypatch.setattr(gka_module, "DOT_PRECISION", "ieee")
+    monkeypatch.setattr(gka_module, "GRAD_PRECISION", "fp16x3")
+    inputs = draw(T=77)
+    core = partial(gka_module.chunk, chunk_size=16)
+    _, split = _forward_and_grads(core, inputs)
+    monkeypatch.setattr(gka_module, "GRAD_PRECISION", "ieee")
+    _, exact = _forward_and_grads(core, inputs)
+    errors = {name: rms_ratio(a, b) for name, a, b in
+              zip(["q", "k", "v", "g", "beta", "alpha"], split, exact, strict=True)}
+    print("GKA fp16x3 backward vs fp32 products:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    assert max(errors.values()) <= 1e-5
+
+
 @pytest.mark.parametrize("precision,bound", [("ieee", 1e-5), (None, 5e-4)])
 def test_saved_norms_match_the_frobenius_norm_of_the_naive_states(gka_module, monkeypatch, precision, bound):
     """||H_t||_F as the forward saves it: the Gram term in the norm kernel, each chunk's initial-state terms from
@@ -442,5 +464,6 @@ def test_precision_settings_are_validated(monkeypatch):
     parsed = Settings.from_env()
     assert (parsed.gka_dot_precision, parsed.gka_grad_precision) == ("fp16", "tf32")
     monkeypatch.setenv("NCD_GKA_GRAD_PRECISION", "fp16")  # the backward's products are never unscaled fp16
-    with pytest.raises(ValueError, match="NCD_GKA_GRAD_PRECISION must be one of tf32, tf32x3, ieee, not 'fp16'"):
+    with pytest.raises(ValueError,
+                       match="NCD_GKA_GRAD_PRECISION must be one of fp16x3, tf32x3, tf32, ieee, not 'fp16'"):
         Settings.from_env()
