@@ -228,7 +228,8 @@ def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_module
     """The forward's scans store fp16 state tiles over their own power-of-two scales; the solve and output kernels
     put the tiles of one block back on a common scale. With 16 x 16 scan tiles (H in 2 x 2 tiles, S in 2 x 2, an
     output block spanning two) and an initial state whose blocks differ by 1e4, a misplaced tile scale would be
-    off by orders of magnitude; read back right, o is as accurate as with one tile per state."""
+    off by orders of magnitude; read back right, o is as accurate as with one tile per state, also with the output
+    split into 16-column blocks."""
     monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
     q, k, v, g, b, a = draw(B=1, H=2, T=40)
     rows = torch.cat([torch.full((K // 2,), 1.0), torch.full((K // 2,), 100.0)])
@@ -239,9 +240,22 @@ def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_module
     one_tile, _ = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
     monkeypatch.setattr(gka_module, "SCAN_TILES", dict(gka_module.SCAN_TILES, fwd=(16, 16, 4)))
     tiled, _ = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
+    monkeypatch.setattr(gka_module, "OUTPUT_BV", 16)  # the output kernel over two blocks of value columns
+    split = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)[0]
     bound = _tolerances()["o"]
     assert rms_ratio(one_tile, ref) <= bound
     assert rms_ratio(tiled, ref) <= bound
+    assert rms_ratio(split, ref) <= bound
+
+
+def test_output_value_column_blocks_agree_with_one_block(gka_module, monkeypatch):
+    """The output kernel walks the value columns in blocks of OUTPUT_BV inside one program per chunk (V = 24: one
+    block of 32, or two of 16 whose second is partly masked); with IEEE products the two agree to rounding."""
+    inputs = draw(B=1, H=2, T=45)
+    one_block, _ = gka_module.chunk(*inputs, chunk_size=16)
+    monkeypatch.setattr(gka_module, "OUTPUT_BV", 16)
+    two_blocks, _ = gka_module.chunk(*inputs, chunk_size=16)
+    assert rms_ratio(two_blocks, one_block) <= 1e-6
 
 
 def test_bf16_inputs_scan_with_bf16_products_within_the_bf16_limits(gka_module, monkeypatch):
