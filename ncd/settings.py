@@ -39,6 +39,8 @@ class Settings:
     # NCD_ATTENTION_DS_BUFFER_BYTES: the largest dS buffer the attention backward may allocate to skip
     # recomputing S and dP in its dQ kernel (0: never); None keeps the generated module's default (4 GiB)
     attention_ds_buffer_bytes: int | None = None
+    # NCD_FIT_CARVEOUT: give kernels that spill registers more L1 (ncd/carveout.py; default on)
+    fit_carveout: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -52,7 +54,8 @@ class Settings:
         grad_precision = _choice("NCD_GKA_GRAD_PRECISION", ("fp16x3", "tf32x3", "tf32", "ieee"))
         return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=Path(cache),
                    attention_factorize=factorize, gka_dot_precision=precision, gka_grad_precision=grad_precision,
-                   attention_ds_buffer_bytes=_bytes("NCD_ATTENTION_DS_BUFFER_BYTES"))
+                   attention_ds_buffer_bytes=_bytes("NCD_ATTENTION_DS_BUFFER_BYTES"),
+                   fit_carveout=_flag("NCD_FIT_CARVEOUT", True))
 
 
 def settings() -> Settings:

@@ -423,7 +423,8 @@ def test_every_tuned_kernel_is_tuned_per_problem_size(gka_module):
 def test_every_launch_passes_only_arguments_its_kernel_takes(gka_module, monkeypatch):
     """A compiled GPU launch rejects a keyword its kernel does not declare; the interpreter accepts it silently (the
     backward's untuned scan was passed WORK, and failed only on the GPU). So every launch of a forward and backward,
-    with initial and final states, is checked against the kernel's parameters here."""
+    with initial and final states, is checked against the kernel's parameters here, and each launch's kernel must
+    reach fit_carveout (ncd/carveout.py)."""
     import inspect
 
     import triton
@@ -446,19 +447,23 @@ def test_every_launch_passes_only_arguments_its_kernel_takes(gka_module, monkeyp
                 launched.add(self.name)
                 assert len(args) + len(kwargs) <= len(self.params) + len(self.options), self.name
                 assert set(kwargs) <= self.params | self.options, (self.name, set(kwargs) - self.params - self.options)
-                return self.kernel[grid](*args, **kwargs)
+                self.kernel[grid](*args, **kwargs)
+                return self.name  # stands for the compiled kernel, which the interpreter does not return
             return launch
 
     kernels = {name: obj for name, obj in vars(gka_module).items() if name.startswith("_") and hasattr(obj, "fn")
                and "tl.program_id" in inspect.getsource(python_function(obj))}  # launched, not device functions
     for name, kernel in kernels.items():
         monkeypatch.setattr(gka_module, name, StrictKernel(name, kernel))
+    fitted = []
+    monkeypatch.setattr(gka_module, "_fit_carveout", fitted.append)
     monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
     q, k, v, g, b, a = draw(B=1, H=2, T=20)
     h0 = torch.randn(1, 2, K, K)
     state = (h0 @ h0.transpose(-1, -2) / K, torch.randn(1, 2, K, V))
     _forward_and_grads(partial(gka_module.chunk, chunk_size=16, output_final_state=True), (q, k, v, g, b, a), state)
     assert launched == set(kernels)
+    assert set(fitted) == launched and len(fitted) == 12  # 4 forward launches, 8 backward (its own state scan too)
 
 
 def test_plan_shows_the_derived_chunked_form():
