@@ -142,7 +142,7 @@ def measure(module, inputs, r, naive):
         o, _ = naive_gka(*leaves, num_iter=r)
         torch.autograd.grad(o, leaves, do)
 
-    module.DOT_PRECISION = None  # the default: scaled fp16 products in the solve and output kernels
+    module.DOT_PRECISION = None  # the default: scaled fp16 products in the solve (and its output epilogue)
     cell["fwd"] = ms(lambda: module.chunk(*inputs, num_iter=r))
     cell["fwd_kernels"] = sum(us for us, _ in kernel_times(lambda: module.chunk(*inputs, num_iter=r)).values()) / 1e3
     cell["fb"] = ms(ncd_step)  # the default backward: fp16x3 products (split operands)
@@ -163,7 +163,7 @@ def measure(module, inputs, r, naive):
 def profile(module, ts, rs, layouts, grads, backward=True):
     """Per-kernel CUDA time (us per call, mean of 10 calls) of fla GDN's forward and ncd's forward and
     forward+backward at each (T, r), for each layout "ROWSxCOLSxWARPS/BV" (the scans' tile and warps, both scans;
-    the output kernel's value columns) and each backward product precision (module GRAD_PRECISION)."""
+    the value columns per block of the solve's output) and each backward product precision (module GRAD_PRECISION)."""
     for layout in layouts:
         tile, bv = layout.split("/")
         ba, bb, warps = (int(x) for x in tile.split("x"))
@@ -226,7 +226,7 @@ def main():
                         help="product precisions checked at T 2048: DOT[:GRAD] (module DOT_PRECISION, GRAD_PRECISION)")
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--layouts", default="64x64x4/64",
-                        help="--profile: layouts to compare, scan tile ROWSxCOLSxWARPS / output kernel BV")
+                        help="--profile: layouts to compare, scan tile ROWSxCOLSxWARPS / output BV")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel times of ncd's forward and backward (and fla GDN's forward), then exit")
     parser.add_argument("--forward-only", action="store_true", help="--profile: the forward alone")

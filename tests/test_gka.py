@@ -225,11 +225,11 @@ def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
 
 
 def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_module, monkeypatch):
-    """The forward's scans store fp16 state tiles over their own power-of-two scales; the solve and output kernels
-    put the tiles of one block back on a common scale. With 16 x 16 scan tiles (H in 2 x 2 tiles, S in 2 x 2, an
-    output block spanning two) and an initial state whose blocks differ by 1e4, a misplaced tile scale would be
-    off by orders of magnitude; read back right, o is as accurate as with one tile per state, also with the output
-    split into 16-column blocks."""
+    """The forward's scans store fp16 state tiles over their own power-of-two scales; the solve (H_0, and S_0 in its
+    output) puts the tiles of one block back on a common scale. With 16 x 16 scan tiles (H in 2 x 2 tiles, S in
+    2 x 2, an output block spanning two) and an initial state whose blocks differ by 1e4, a misplaced tile scale
+    would be off by orders of magnitude; read back right, o is as accurate as with one tile per state, also with the
+    output split into 16-column blocks."""
     monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
     q, k, v, g, b, a = draw(B=1, H=2, T=40)
     rows = torch.cat([torch.full((K // 2,), 1.0), torch.full((K // 2,), 100.0)])
@@ -240,7 +240,7 @@ def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_module
     one_tile, _ = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
     monkeypatch.setattr(gka_module, "SCAN_TILES", dict(gka_module.SCAN_TILES, fwd=(16, 16, 4)))
     tiled, _ = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
-    monkeypatch.setattr(gka_module, "OUTPUT_BV", 16)  # the output kernel over two blocks of value columns
+    monkeypatch.setattr(gka_module, "OUTPUT_BV", 16)  # the solve's output over two blocks of value columns
     split = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)[0]
     bound = _tolerances()["o"]
     assert rms_ratio(one_tile, ref) <= bound
@@ -249,7 +249,7 @@ def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_module
 
 
 def test_output_value_column_blocks_agree_with_one_block(gka_module, monkeypatch):
-    """The output kernel walks the value columns in blocks of OUTPUT_BV inside one program per chunk (V = 24: one
+    """The solve's output walks the value columns in blocks of OUTPUT_BV inside one program per chunk (V = 24: one
     block of 32, or two of 16 whose second is partly masked); with IEEE products the two agree to rounding."""
     inputs = draw(B=1, H=2, T=45)
     one_block, _ = gka_module.chunk(*inputs, chunk_size=16)
@@ -409,12 +409,12 @@ def test_solve_is_tuned_per_step_count(gka_module):
 
 def test_every_tuned_kernel_is_tuned_per_problem_size(gka_module):
     """A config tuned on a small first call (bench/gka.py's 300-token check, a model's warm-up) must not be reused
-    at full size: the output kernel kept one that ran 225 us against 157 at T = 4096 (H100). So every autotuned
-    kernel's key holds WORK, the chunk x head count rounded up to a power of two."""
+    at full size: the (then separate) output kernel kept one that ran 225 us against 157 at T = 4096 (H100). So
+    every autotuned kernel's key holds WORK, the chunk x head count rounded up to a power of two."""
     import triton
 
     tuned = {name: obj for name, obj in vars(gka_module).items() if isinstance(obj, triton.runtime.Autotuner)}
-    assert {"_norm_fwd", "_solve", "_output_fwd", "_grads_h", "_grads_s"} <= set(tuned)
+    assert {"_norm_fwd", "_solve", "_grads_h", "_grads_s"} <= set(tuned)
     for name, kernel in tuned.items():
         assert "WORK" in kernel.keys, name
     assert gka_module._work(5, 2) == 16 and gka_module._work(512, 8) == 4096
@@ -463,7 +463,7 @@ def test_every_launch_passes_only_arguments_its_kernel_takes(gka_module, monkeyp
     state = (h0 @ h0.transpose(-1, -2) / K, torch.randn(1, 2, K, V))
     _forward_and_grads(partial(gka_module.chunk, chunk_size=16, output_final_state=True), (q, k, v, g, b, a), state)
     assert launched == set(kernels)
-    assert set(fitted) == launched and len(fitted) == 12  # 4 forward launches, 8 backward (its own state scan too)
+    assert set(fitted) == launched and len(fitted) == 11  # 3 forward launches, 8 backward (its own state scan too)
 
 
 def test_plan_shows_the_derived_chunked_form():
