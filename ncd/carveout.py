@@ -13,6 +13,8 @@ import ctypes
 import functools
 from typing import Any
 
+import torch
+
 from ncd.settings import settings
 
 _RESERVED_SHARED = 1024  # bytes the system keeps per resident program (sm_80 and later)
@@ -42,8 +44,6 @@ def _driver() -> Any:
 
 @functools.cache
 def _device_limits(device: int) -> tuple[int, int, int]:
-    import torch
-
     props = torch.cuda.get_device_properties(device)
     return (props.shared_memory_per_multiprocessor, getattr(props, "regs_per_multiprocessor", 65536),
             props.max_threads_per_multi_processor)
@@ -62,8 +62,6 @@ def fit_carveout(kernel: Any) -> Any:
     if meta.shared <= 48 * 1024 or driver is None or getattr(meta, "target", None) is None \
             or meta.target.backend != "cuda":
         return kernel
-    import torch
-
     shared_per_sm, regs_per_sm, threads_per_sm = _device_limits(torch.cuda.current_device())
     percent = carveout_percent(meta.shared, kernel.n_regs, meta.num_warps, shared_per_sm, regs_per_sm,
                                threads_per_sm)
