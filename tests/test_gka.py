@@ -259,7 +259,7 @@ def test_output_value_column_blocks_agree_with_one_block(gka_module, monkeypatch
 
 
 def test_bf16_inputs_scan_with_bf16_products_within_the_bf16_limits(gka_module, monkeypatch):
-    """bf16 inputs: the forward's state scans multiply bf16 operands (the keys exactly, the weighted right operand
+    """bf16 inputs: the forward's state scans multiply bf16 operands (the keys or values exactly, the weighted keys
     rounded); the backward recomputes its states with TF32 products. Output, final states and gradients against
     the float64 recurrence on the same bf16 inputs, within the bf16 limits the plan states."""
     monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
