@@ -15,6 +15,15 @@ ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.ncd"))
 
 
+def raise_float_errors():
+    """numpy's floating-point errors raised: the interpreter computes in numpy, and no generated kernel may form
+    0 / 0, divide by zero or overflow, not even in padding that is never stored (the attention forward once divided
+    such rows by b(0), and `ncd check` printed numpy's warning)."""
+    import numpy as np
+
+    return np.errstate(divide="raise", invalid="raise", over="raise")
+
+
 @pytest.fixture
 def run_cli(capsys):
     """Run `ncd ARGS...` in-process; returns (exit code, stdout, stderr)."""

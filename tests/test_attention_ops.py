@@ -8,7 +8,6 @@ import inspect
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,7 +17,7 @@ from ncd.errors import CallError
 from ncd.streaming import certify
 from ncd.validate import validate
 
-from .conftest import ROOT, SPECS
+from .conftest import ROOT, SPECS, raise_float_errors
 
 ATTENTION_SPECS = [p for p in SPECS if certify(ncd.load_spec(p).program)]
 
@@ -36,9 +35,7 @@ def test_at_least_five_attention_specs_ship():
 def test_spec_forward_and_gradients_match_float64(path, op_cache):
     op = ncd.load(path, cache_dir=op_cache)
     op.module.POISON_OUTPUTS = True  # unwritten outputs would surface as NaN
-    # the interpreter computes in numpy: no kernel may form 0 / 0 or overflow, not even in rows past the sequence
-    # that are never stored (the forward divided those by b(0), and `ncd check` printed numpy's warning)
-    with np.errstate(divide="raise", invalid="raise", over="raise"):
+    with raise_float_errors():
         rows = validate(op, torch.float32)
     assert rows[0].quantity == op.front.program.outputs[0].name and len(rows) == 4
     for row in rows:
