@@ -83,7 +83,9 @@ class RecurrencePlan:
             f"{r.U}[{r.vdim} {r.kdim}] = sum_s exp(G_t - G_s) vb_s kb_s^T  ({self.origins['U']})",
             f"  scalings: kb = {r.k} * ({self.key_scale}),  vb = {r.v} * ({self.value_scale})  [bt = {r.beta}]",
             "chunked form (chunk C; G = cumulative log gate inside a chunk; D[t, s] = exp(G_t - G_s) for s <= t):",
-            "  pass 1 (sequential over chunks): chunk-start states H_0 [K, K], S_0 = U_0^T [K, V], fp32",
+            "  pass 1 (sequential over chunks, both states in one launch): chunk-start states H_0 [K, K], S_0 = U_0^T"
+            " [K, V] (fp16 tiles over power-of-two scales for the default fp16 products, else fp32); the H scan also"
+            " emits kb^T H_0 kb and ||H_0||^2 for the norm",
             "  pass 2 (parallel over chunks): H_t x = exp(G_t) H_0 x + ((x Kb^T) o D) Kb   (H_t never formed)",
             "    ||H_t||^2 = exp(2 G_t) ||H_0||^2 + 2 exp(G_t) rowsum(D diag(kb^T H_0 kb)) + rowsum(D o (D (G o G))),"
             " G = Kb Kb^T  (Gram form)",
@@ -98,8 +100,9 @@ class RecurrencePlan:
             "  with the ridge term unrolled: -2 (beta_j H_0 kb_j + ((M diag(c) M^T) o G) Kb)",
             f"  dg = reverse cumsum of <dH_t, H_t> - kb^T L kb + <dS_t, S_t> - kb^T P vb;  d{r.beta or 'beta'} via "
             f"d/dbt: ({sympy.diff(self.key_scale, BETA)}), ({sympy.diff(self.value_scale, BETA)})",
-            "kernels: 2 state scans + 1 solve (forward); 1 solve + 2 reverse scans + 3 gradient kernels + state "
-            "recompute (backward)",
+            "kernels: forward 3 launches (both state scans; the norm; the solve, with the output in its epilogue); "
+            "backward 8 (state recompute; right-hand side; solve; ridge terms; both reverse scans; 3 gradient "
+            "kernels)",
         ]
 
     def render(self, program: ir.Program, op_id: str) -> str:
