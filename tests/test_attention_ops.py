@@ -287,3 +287,22 @@ def test_ds_buffer_setting_is_validated_and_reaches_the_op(monkeypatch, tmp_path
     code = f"import ncd; print(ncd.load({str(spec)!r}, cache_dir={str(tmp_path)!r}).module.DS_BUFFER_BYTES)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "12345", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("form", ["never", "always"])
+def test_user_normaliser_singular_at_zero_runs_clean(tmp_path, op_cache, form):
+    """A spec the user writes, not one we ship: b(z) = z^1.5 is log(0) at z = 0 as generated (exp(1.5 log z)),
+    which rows past N_Q have. Neither form (streamed, factorized) may evaluate it there, masked or not."""
+    path = tmp_path / "power_attention.ncd"
+    path.write_text("spec power_attention\naxis batch, head, query, key\naxis dim = 64\n"
+                    "in Q[batch head query dim] : bf16\nin K[batch head key dim] : bf16\n"
+                    "in V[batch head key dim] : bf16\nS[batch head query key] = Q . K over dim\n"
+                    "A[batch head query key] = normalize(S, over key, a1(x) = x, a2(x) = x^2, b(z) = sqrt(z) * z,\n"
+                    "                                    mask = key <= query)\n"
+                    "out O[batch head query dim] = A . V over key\n")
+    op = ncd.load(path, cache_dir=op_cache)
+    assert "tl.log(z)" in op.path.read_text()
+    op.module.FACTORIZE, op.module.POISON_OUTPUTS = form, True
+    with raise_float_errors():
+        rows = validate(op, torch.float32)
+    assert all(row.ok for row in rows), rows
