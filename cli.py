@@ -148,14 +148,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     import torch
 
     import ncd
-    from ncd.validate import format_rows, validate
+    from ncd.validate import Report, format_rows, validate
 
     op = ncd.load(args.spec)
     for name, what in BACK_END_CHECKS:
         print(f"  ok   {name:<10} {what}")
     where = "GPU" if device == "cuda" else "CPU, Triton interpreter"
     dtypes = [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]
-    rows = []
+    rows = Report([])
     op.module.POISON_OUTPUTS = True
     for dtype in dtypes:
         rows += validate(op, dtype, device)
@@ -163,6 +163,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"  {'ok  ' if not failed else 'FAIL'} numerics   output and gradients against the float64 reference "
           f"of the spec's IR ({where}; random inputs, odd sizes, NaN-poisoned outputs):")
     print("\n".join("     " + line for line in format_rows(rows)))
+    print("".join(f"       note: {note}\n" for note in rows.notes), end="")
     return EXIT_OK if not failed else EXIT_SPEC
 
 

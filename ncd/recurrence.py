@@ -141,8 +141,8 @@ class RecurrencePlan:
         bound = 2.0 ** -11 / self.ridge
         return {"float32": bound, "bfloat16": max(1e-2, bound), "float16": max(5e-3, bound)}
 
-    # implicit differentiation differs from autograd through the iterations by the solve's convergence error; the
-    # gradients combine two solves' rounding (x and the adjoint z), hence twice the output's bound
+    # the gradients combine two solves' rounding (x and the adjoint z), hence twice the output's bound (`ncd
+    # check`'s reference differentiates the solve implicitly too, so the iteration's convergence is not in it)
     @property
     def gradient_tolerance(self) -> dict[str, float]:
         bound = 2.0 ** -10 / self.ridge

@@ -62,8 +62,10 @@ def bind_sizes(program: ir.Program, tensors: Mapping[str, torch.Tensor]) -> dict
 
 
 def evaluate(program: ir.Program, tensors: Mapping[str, torch.Tensor | float],
-             dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """Every output of the program, in `dtype`, from named inputs and parameters."""
+             dtype: torch.dtype = torch.float64, unrolled_solves: bool = False) -> dict[str, torch.Tensor]:
+    """Every output of the program, in `dtype`, from named inputs and parameters. A chebyshev_solve is
+    differentiated implicitly, as the solve it approximates (docs/language.md, section 17), unless
+    `unrolled_solves`: then autograd follows its iterations."""
     env: dict[str, Named] = {}
     given: dict[str, torch.Tensor] = {}
     for t in (*program.inputs, *program.params):
@@ -74,7 +76,7 @@ def evaluate(program: ir.Program, tensors: Mapping[str, torch.Tensor | float],
             continue
         given[t.name] = torch.as_tensor(supplied).to(dtype)
     sizes = bind_sizes(program, given)
-    ev = _Evaluator(program, sizes, dtype, env)
+    ev = _Evaluator(program, sizes, dtype, env, unrolled_solves)
     for t in (*program.inputs, *program.params):
         if t.name in given:
             env[t.name] = Named(given[t.name], t.axes)
@@ -87,8 +89,10 @@ def evaluate(program: ir.Program, tensors: Mapping[str, torch.Tensor | float],
 
 
 class _Evaluator:
-    def __init__(self, program: ir.Program, sizes: dict[str, int], dtype: torch.dtype, env: dict[str, Named]):
+    def __init__(self, program: ir.Program, sizes: dict[str, int], dtype: torch.dtype, env: dict[str, Named],
+                 unrolled_solves: bool = False):
         self.p, self.sizes, self.dtype, self.env = program, sizes, dtype, env
+        self.unrolled_solves = unrolled_solves
         self.bases = {b.name: b for b in program.bases}
 
     def const(self, value: float) -> Named:
@@ -272,7 +276,10 @@ class _Evaluator:
                            (*batch, node.row)).data
         mu = self.to_axes(self.eval(node.mu, scope), batch).data[..., None]
         lip = self.to_axes(self.eval(node.lipschitz, scope), batch).data[..., None]
-        x = chebyshev_iteration(amat, rhs, mu, lip, node.iterations)
+        if self.unrolled_solves:
+            x = chebyshev_iteration(amat, rhs, mu, lip, node.iterations)
+        else:
+            x = _ImplicitSolve.apply(amat, rhs, mu, lip, node.iterations)
         return Named(x, (*batch, node.over))
 
 
@@ -292,6 +299,25 @@ def chebyshev_iteration(a: torch.Tensor, b: torch.Tensor, mu: torch.Tensor, lip:
         r = b - matvec(x)
         x, x_prev = omega * (x - x_prev + 2 / (lip + mu) * r) + x_prev, x
     return x
+
+
+class _ImplicitSolve(torch.autograd.Function):
+    """x = chebyshev_iteration(A, b), differentiated as the exact solve of A x = b, as the generated backward does
+    (papers/gated-kalmanet.txt, eq. 7-10): db = z with A^T z = dx solved by the same iteration, dA = -z x^T; mu and
+    L only steer the iteration and get no gradient. Equal to autograd through the iterations once they converge."""
+
+    @staticmethod
+    def forward(ctx, a, b, mu, lip, iterations):  # type: ignore[override]
+        x = chebyshev_iteration(a, b, mu, lip, iterations)
+        ctx.save_for_backward(a, x, mu, lip)
+        ctx.iterations = iterations
+        return x
+
+    @staticmethod
+    def backward(ctx, dx):  # type: ignore[override]
+        a, x, mu, lip = ctx.saved_tensors
+        z = chebyshev_iteration(a.transpose(-1, -2), dx, mu, lip, ctx.iterations)
+        return -z.unsqueeze(-1) * x.unsqueeze(-2), z, None, None, None
 
 
 def _int(expr: sympy.Expr, scope: Mapping[str, object]) -> int:

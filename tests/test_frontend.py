@@ -168,6 +168,54 @@ def test_cli_check_says_what_it_checks(run_cli):
     assert "spec gka" in out and "ok   axes" in out and "ok   numerics" in out and "FAIL" not in out
 
 
+def test_chebyshev_solve_reference_is_differentiated_as_the_exact_solve():
+    """The float64 reference differentiates chebyshev_solve implicitly, as the generated backward does: at
+    convergence that is the exact solve's gradient (and autograd through the iterations'); after 5 iterations
+    the two differ, and the implicit one is the adjoint system solved by the same 5 iterations."""
+    import torch
+
+    from ncd.reference import _ImplicitSolve, chebyshev_iteration
+
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(3, 6, 6, generator=gen, dtype=torch.float64)
+    a = (m @ m.transpose(-1, -2) + 0.5 * torch.eye(6, dtype=torch.float64)).requires_grad_()
+    b = torch.randn(3, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    eig = torch.linalg.eigvalsh(a.detach())
+    mu, lip = eig[:, :1], eig[:, -1:]
+    dx = torch.randn(3, 6, generator=gen, dtype=torch.float64)
+
+    def rel(x, y):
+        return float((x - y).norm() / y.norm())
+
+    exact = torch.autograd.grad(torch.linalg.solve(a, b.unsqueeze(-1)).squeeze(-1), (a, b), dx)
+    converged = torch.autograd.grad(_ImplicitSolve.apply(a, b, mu, lip, 200), (a, b), dx)
+    assert max(rel(g, e) for g, e in zip(converged, exact, strict=True)) < 1e-12
+    implicit = torch.autograd.grad(_ImplicitSolve.apply(a, b, mu, lip, 5), (a, b), dx)
+    unrolled = torch.autograd.grad(chebyshev_iteration(a, b, mu, lip, 5), (a, b), dx)
+    assert rel(implicit[0], unrolled[0]) > 0.1
+    z = chebyshev_iteration(a.detach(), dx, mu, lip, 5)
+    x = chebyshev_iteration(a.detach(), b.detach(), mu, lip, 5)
+    assert rel(implicit[1], z) < 1e-14 and rel(implicit[0], -z.unsqueeze(-1) * x.unsqueeze(-2)) < 1e-14
+
+
+def test_cli_check_of_a_short_chebyshev_solve(run_cli, tmp_path):
+    """A user's GKA spec with 3 Chebyshev iterations. Its backward is implicit differentiation (the official
+    kernels'), which is not autograd through 3 iterations: `ncd check` holds it to the same definition, passes,
+    and says how far autograd through the iterations is (it failed the gradient check before)."""
+    import re
+
+    text = next(p for p in SPECS if p.stem == "gka").read_text()
+    for old, new in (("spec gka", "spec gka_short"), ("kdim = 128", "kdim = 16"), ("vdim = 128", "vdim = 12"),
+                     ("ridge = 0.02", "ridge = 0.1"), ("iterations = 30 ", "iterations = 3 ")):
+        assert old in text
+        text = text.replace(old, new)
+    (tmp_path / "gka_short.ncd").write_text(text)
+    code, out, _ = run_cli("check", str(tmp_path / "gka_short.ncd"))
+    assert code == 0 and "ok   numerics" in out and "FAIL" not in out, out
+    gap = re.search(r"chebyshev_solve \(3 iterations\) .* differs from that by up to (\S+) \((d\w+)\)", out)
+    assert gap is not None and float(gap.group(1)) > 2e-2, out  # above the gradient tolerance
+
+
 def test_cli_version_and_usage(run_cli):
     code, out, _ = run_cli("--version")
     assert code == 0 and out.startswith("ncd ")
