@@ -15,6 +15,7 @@ from .cost import (
     factorized_estimate,
     format_estimate,
     format_forms,
+    kernel_head_dim,
     rank_configs,
 )
 from .errors import NotStreamable
@@ -171,6 +172,13 @@ class AttentionPlan:
     shape: AttentionShape | None = None
     factorized_cost: FormEstimate | None = None
 
+    def _padding(self) -> list[str]:
+        dim = self.bindings.get(self.roles.q_axes[3])
+        if self.shape is None or dim is None or dim == self.shape.head_dim:
+            return []
+        return [f"  head dim: {dim}, run as {self.shape.head_dim} (the op pads q, k and v with zero columns and drops "
+                "the output's extra ones; costs below are at the padded size, without those copies)"]
+
     def describe(self) -> list[str]:
         r = self.roles
         lines = [*self.certificate.describe(), "kernel family: normalized-contraction attention",
@@ -181,6 +189,7 @@ class AttentionPlan:
                  f"          a1' = {self.maps.da1};  a2' = {self.maps.da2};  b'/b = {self.maps.db_over_b}",
                  "  accumulators: o in registers (fp32), z (and m) per row in registers; no atomics "
                  "(one program owns each query tile; the backward's dK/dV programs own key tiles)",
+                 *self._padding(),
                  "cost (per tile config, forward) at "
                  + " ".join(f"{k}={v}" for k, v in self.bindings.items()) + ":"]
         for e in self.estimates:
@@ -254,8 +263,9 @@ def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan |
     shape = AttentionShape(
         batch_heads=bound[r.q_axes[0]] * heads,
         kv_heads_ratio=heads // max(1, bound[r.k_axes[1]]),
-        n_query=bound[r.q_axes[2]], n_key=bound[r.k_axes[2]], head_dim=bound[r.q_axes[3]],
-        value_dim=bound[r.v_axes[3]], elem_bytes=DTYPE_BYTES.get(q_tensor.dtype or "bf16", 2), causal=r.causal,
+        n_query=bound[r.q_axes[2]], n_key=bound[r.k_axes[2]], head_dim=kernel_head_dim(bound[r.q_axes[3]]),
+        value_dim=kernel_head_dim(bound[r.v_axes[3]]), elem_bytes=DTYPE_BYTES.get(q_tensor.dtype or "bf16", 2),
+        causal=r.causal,
     )
     shown = {a: bound[a] for a in dict.fromkeys((*r.q_axes, *r.k_axes))}
     factorization = factorize(cert, r.causal)

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from .cost import kernel_head_dim  # noqa: F401 (the generated attention ops call it)
 from .errors import CallError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -77,3 +78,4 @@ def check_device(tensors: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
         raise CallError(None, detail=f"{first[0]} is on the CPU; ncd kernels run on CUDA devices "
                         "(or on the CPU under TRITON_INTERPRET=1)")
     return device
+

@@ -306,3 +306,31 @@ def test_user_normaliser_singular_at_zero_runs_clean(tmp_path, op_cache, form):
     with raise_float_errors():
         rows = validate(op, torch.float32)
     assert all(row.ok for row in rows), rows
+
+
+def test_kernel_head_dims():
+    from ncd.runtime import kernel_head_dim
+
+    assert [kernel_head_dim(d) for d in (1, 8, 16, 24, 64, 80, 96, 128, 200)] == [16, 16, 16, 32, 64, 128, 128, 128,
+                                                                               256]
+
+
+@pytest.mark.parametrize(("stem", "dim", "form"), [("softmax_attention", 24, "never"),
+                                                   ("causal_spherical_attention", 8, "never"),
+                                                   ("causal_spherical_attention", 40, "always")])
+def test_head_dims_that_are_not_powers_of_two(tmp_path, op_cache, stem, dim, form):
+    """Head dims such as 80 and 96 (and any below 16) run: the op pads q, k and v with zero columns to the kernels'
+    power of two and drops the output's extra columns; the default softmax scale stays 1 / sqrt(dim)."""
+    text = next(p for p in SPECS if p.stem == stem).read_text()
+    assert "axis dim = 128" in text
+    path = tmp_path / f"{stem}_{dim}.ncd"
+    path.write_text(text.replace("axis dim = 128", f"axis dim = {dim}").replace(f"spec {stem}", f"spec {stem}_{dim}"))
+    op = ncd.load(path, cache_dir=op_cache)
+    if hasattr(op.module, "FACTORIZE"):
+        op.module.FACTORIZE = form
+    op.module.POISON_OUTPUTS = True
+    with raise_float_errors():
+        rows = validate(op, torch.float32)
+    assert all(row.ok for row in rows), rows
+    q, k, v = (torch.randn(1, 2, 5, dim) for _ in range(3))
+    assert op(q, k, v).shape == (1, 2, 5, dim)
