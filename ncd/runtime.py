@@ -78,4 +78,3 @@ def check_device(tensors: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
         raise CallError(None, detail=f"{first[0]} is on the CPU; ncd kernels run on CUDA devices "
                         "(or on the CPU under TRITON_INTERPRET=1)")
     return device
-
