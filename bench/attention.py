@@ -19,6 +19,8 @@ Run on a CUDA machine, with ncd importable (installed, or the repository root on
    (forward with and without TMA, the dK/dV and dQ kernels, the atomic-dQ fused kernel), then the
    correctness check, then exit. The autotune sets in templates/attention.py.jinja come from it.
 
+5. ``--dim 80``: every shape at another head dim (the specs' ``axis dim = 128`` replaced; SDPA at the same dim).
+
 The table is printed last. With $OUT set, the rows go to $OUT/attention_bench.json and the log to
 $OUT/attention_bench.log.
 """
@@ -30,6 +32,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,6 +63,18 @@ SPECS = {
 BWD_VARIANTS = {"atomic": {"DETERMINISTIC_BWD": False},
                 "recompute": {"DETERMINISTIC_BWD": True, "DS_BUFFER_BYTES": 0},
                 "stored-ds": {"DETERMINISTIC_BWD": True, "DS_BUFFER_BYTES": 1 << 40}}
+
+
+def load_spec(name: str):
+    """ncd.load of a shipped spec, at head dim DIM (the spec's `axis dim = 128` replaced when DIM is another)."""
+    if DIM == 128:
+        return ncd.load(SPEC_DIR / name)
+    text, stem = (SPEC_DIR / name).read_text(), Path(name).stem
+    if "axis dim = 128" not in text:
+        raise SystemExit(f"{name}: no `axis dim = 128` to replace")
+    path = Path(tempfile.mkdtemp()) / f"{stem}_d{DIM}.ncd"
+    path.write_text(text.replace("axis dim = 128", f"axis dim = {DIM}").replace(f"spec {stem}", f"spec {stem}_d{DIM}"))
+    return ncd.load(path)
 
 
 def _set_flags(module, flags: dict) -> dict:
@@ -469,6 +484,7 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
 
 
 def main() -> int:
+    global DIM
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="N=4096 only")
     parser.add_argument("--ns", default="1024,4096,8192,16384")
@@ -477,8 +493,10 @@ def main() -> int:
     parser.add_argument("--impls", default="", help="comma list of implementations to time (default: all)")
     parser.add_argument("--families", default="spherical,softmax", help="spec families to load and check")
     parser.add_argument("--breakdown", default="", help="comma list of N: per-kernel times of both forms")
+    parser.add_argument("--dim", type=int, default=DIM, help="head dim of every shape (default 128)")
     parser.add_argument("--tiles", default="", help="forced-tile sweep, e.g. softmax:1:4096:fwd+bwd;... then exit")
     args = parser.parse_args()
+    DIM = args.dim
     t_start = time.time()
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     log_file = (out_dir / "attention_bench.log").open("w") if out_dir else None
@@ -489,11 +507,11 @@ def main() -> int:
             log_file.write(line + "\n")
             log_file.flush()
 
-    log(f"device={torch.cuda.get_device_name()} torch={torch.__version__} triton={triton.__version__} "
+    log(f"device={torch.cuda.get_device_name()} torch={torch.__version__} triton={triton.__version__} head_dim={DIM} "
         f"ncd={Path(ncd.__file__).parent} date={time.strftime('%Y-%m-%d %H:%M')} "
         f"sdpa flash={torch.backends.cuda.flash_sdp_enabled()} cudnn={torch.backends.cuda.cudnn_sdp_enabled()}")
     families = set(args.families.split(","))
-    ops = {key: ncd.load(SPEC_DIR / name) for key, name in SPECS.items() if key[0] in families}
+    ops = {key: load_spec(name) for key, name in SPECS.items() if key[0] in families}
     if args.tiles:
         cases = [(f, c == "1", int(n), set(kinds.split("+"))) for f, c, n, kinds in
                  (case.split(":") for case in args.tiles.split(";"))]

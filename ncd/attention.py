@@ -176,8 +176,8 @@ class AttentionPlan:
         dim = self.bindings.get(self.roles.q_axes[3])
         if self.shape is None or dim is None or dim == self.shape.head_dim:
             return []
-        return [f"  head dim: {dim}, run as {self.shape.head_dim} (the op pads q, k and v with zero columns and drops "
-                "the output's extra ones; costs below are at the padded size, without those copies)"]
+        return [f"  head dim: {dim}, tiled as {self.shape.head_dim} (the kernels mask the columns past {dim}: loads "
+                "read zeros, stores skip them; costs below are at the tile)"]
 
     def describe(self) -> list[str]:
         r = self.roles

@@ -18,9 +18,9 @@ H100 = {"flops": 800e12, "flops_fp32": 400e12, "hbm": 3.0e12, "l2_bw": 10e12, "l
 
 
 def kernel_head_dim(head_dim: int) -> int:
-    """The head dim the attention kernels run at: a power of two, at least 16 (tl.arange and the tensor-core
-    tiles need both). The op pads q, k and v with zero columns up to it: no score changes, and the output's
-    extra columns, which it drops, are zero. Costs are estimated at it."""
+    """The head-dim tile the attention kernels run at: a power of two, at least 16 (tl.arange and the
+    tensor-core tiles need both). The kernels mask the columns past the head dim (`head_tile` in the generated
+    module computes the same); costs are estimated at the tile."""
     return max(16, 1 << (head_dim - 1).bit_length())
 
 

@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .cost import kernel_head_dim  # noqa: F401 (the generated attention ops call it)
 from .errors import CallError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -309,18 +309,25 @@ def test_user_normaliser_singular_at_zero_runs_clean(tmp_path, op_cache, form):
 
 
 def test_kernel_head_dims():
-    from ncd.runtime import kernel_head_dim
+    from ncd.cost import kernel_head_dim
 
     assert [kernel_head_dim(d) for d in (1, 8, 16, 24, 64, 80, 96, 128, 200)] == [16, 16, 16, 32, 64, 128, 128, 128,
                                                                                256]
 
 
-@pytest.mark.parametrize(("stem", "dim", "form"), [("softmax_attention", 24, "never"),
-                                                   ("causal_spherical_attention", 8, "never"),
-                                                   ("causal_spherical_attention", 40, "always")])
-def test_head_dims_that_are_not_powers_of_two(tmp_path, op_cache, stem, dim, form):
-    """Head dims such as 80 and 96 (and any below 16) run: the op pads q, k and v with zero columns to the kernels'
-    power of two and drops the output's extra columns; the default softmax scale stays 1 / sqrt(dim)."""
+# (spec, head dim, form, module settings): fp32 rows of 24, 8 and 40 floats are 16-byte aligned, so those go through
+# TMA descriptors whose tile is wider than the tensor; 5 and 12 floats are not, so pointer loads with masked columns
+_ODD_DIMS = [("softmax_attention", 24, "never", {}),
+             ("causal_spherical_attention", 8, "never", {"USE_TMA": False}),
+             ("causal_spherical_attention", 5, "never", {"DS_BUFFER_BYTES": 0}),  # dQ recomputes S and dP
+             ("sigmoid_attention", 12, "never", {"DETERMINISTIC_BWD": False}),  # fused backward, atomic dQ
+             ("causal_spherical_attention", 40, "always", {})]
+
+
+@pytest.mark.parametrize(("stem", "dim", "form", "settings"), _ODD_DIMS)
+def test_head_dims_that_are_not_powers_of_two(tmp_path, op_cache, stem, dim, form, settings):
+    """Head dims such as 80 and 96 (and any below 16) run: the kernels tile the head dim at a power of two and mask
+    the columns past it (loads read zeros, stores skip them); the default softmax scale stays 1 / sqrt(dim)."""
     text = next(p for p in SPECS if p.stem == stem).read_text()
     assert "axis dim = 128" in text
     path = tmp_path / f"{stem}_{dim}.ncd"
@@ -329,8 +336,34 @@ def test_head_dims_that_are_not_powers_of_two(tmp_path, op_cache, stem, dim, for
     if hasattr(op.module, "FACTORIZE"):
         op.module.FACTORIZE = form
     op.module.POISON_OUTPUTS = True
+    for name, value in settings.items():
+        setattr(op.module, name, value)
     with raise_float_errors():
         rows = validate(op, torch.float32)
     assert all(row.ok for row in rows), rows
-    out = _assert_compiled_matches_eager(op, *_qkv(n=5, m=7, d=dim, requires_grad=True))  # the pad traces too
+    out = _assert_compiled_matches_eager(op, *_qkv(n=5, m=7, d=dim, requires_grad=True))
     assert out.shape == (1, 2, 5, dim)
+
+
+def test_odd_head_dim_is_computed_at_the_tile_without_copies(tmp_path, op_cache, run_cli):
+    """The op hands q, k and v to the kernels as they are: no padded copies in the autograd graph; the plan says
+    which tile the kernels use."""
+    text = next(p for p in SPECS if p.stem == "spherical_attention").read_text()
+    path = tmp_path / "spherical_80.ncd"
+    path.write_text(text.replace("axis dim = 128", "axis dim = 80").replace("spec spherical_attention",
+                                                                          "spec spherical_80"))
+    status, out, err = run_cli("compile", str(path), "--emit", "plan")
+    assert status == 0, err
+    assert "head dim: 80, tiled as 128 (the kernels mask the columns past 80" in out
+    op = ncd.load(path, cache_dir=op_cache)
+    code = op.path.read_text()
+    assert "functional.pad" not in code and "_in_head(offs_d, HEAD_DIM, D)" in code
+    q, k, v = _qkv(n=5, m=7, d=80, requires_grad=True)
+    out = op(q, k, v)
+    names, stack = set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is not None:
+            names.add(type(fn).__name__)
+            stack += [f for f, _ in fn.next_functions]
+    assert not any("Pad" in n or "Slice" in n or "Cat" in n for n in names), names
