@@ -77,6 +77,11 @@ def load_spec(name: str):
     return ncd.load(path)
 
 
+def _two_forms(module) -> bool:
+    """The module has a factorized form, and it runs at head dim DIM (tiles up to FACT_MAX_HEAD_DIM)."""
+    return hasattr(module, "FACTORIZE") and module.head_tile(DIM) <= module.FACT_MAX_HEAD_DIM
+
+
 def _set_flags(module, flags: dict) -> dict:
     """Sets the module flags; returns their old values."""
     old = {name: getattr(module, name) for name in flags}
@@ -126,7 +131,7 @@ def check(ops, log, n: int = 1000, variants: bool = True) -> bool:
     for (family, causal), op in ops.items():
         has_variants = hasattr(op.module, "DETERMINISTIC_BWD") and variants
         bwd = dict(BWD_VARIANTS) if has_variants else {"default": {}}
-        forms = {"factorized": "always", "streamed": "never"} if hasattr(op.module, "FACTORIZE") else {"": None}
+        forms = {"factorized": "always", "streamed": "never"} if _two_forms(op.module) else {"": None}
         cases = [(f"{v}{'+' + f if f else ''}", flag, form)
                  for v, flag in bwd.items() for f, form in forms.items()]
         for vname, flags, form in cases:
@@ -220,7 +225,7 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool, impls=
         ("eager_spherical", "fwd", fwd(eager)), ("eager_spherical", "fwdbwd", fwdbwd(eager)),
         ("compiled_spherical", "fwd", fwd(comp)), ("compiled_spherical", "fwdbwd", fwdbwd(comp)),
     ]
-    if hasattr(sph.module, "FACTORIZE"):
+    if _two_forms(sph.module):
         cases += [("spherical_streamed", "fwd", form(sph.module, "never", fwd(sph))),
                   ("spherical_streamed", "fwdbwd", form(sph.module, "never", fwdbwd(sph))),
                   ("spherical_factorized", "fwd", form(sph.module, "always", fwd(sph))),
@@ -262,7 +267,7 @@ def breakdown(ops, n: int, causal: bool, log) -> None:
     batch = TOKENS // n
     q, k, v = (torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE).requires_grad_() for _ in range(3))
     grad = torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE)
-    for mode in ("always", "never") if hasattr(op.module, "FACTORIZE") else ("never",):
+    for mode in ("always", "never") if _two_forms(op.module) else ("never",):
         if hasattr(op.module, "FACTORIZE"):
             op.module.FACTORIZE = mode
         for _ in range(2):

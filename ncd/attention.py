@@ -205,6 +205,8 @@ class AttentionPlan:
                 chosen = f.chosen(s.n_query, s.n_key, s.head_dim)
                 rule = (f"Nq Nk / (Nq + Nk) = {reduced:g} {'>' if chosen else '<='} {f.crossover:g} * D = "
                         f"{f.crossover * s.head_dim:g}")
+                if s.head_dim > f.max_head_dim:
+                    rule = f"head-dim tile {s.head_dim} > {f.max_head_dim}: the [D, D] states do not fit in SMEM"
                 lines += format_forms(self.estimates[0], self.factorized_cost, chosen, rule)
         else:
             lines.append("forms: streamed only (the factorized form needs a1, a2 polynomials of degree <= 1, <= 2)")

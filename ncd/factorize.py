@@ -38,6 +38,9 @@ CHUNK = 128
 # for the streamed form) crosses near N = 2048, forward+backward near N = 1300.
 CROSSOVER = 2.0  # N > 512 for self-attention at D = 128
 CROSSOVER_CAUSAL = 5.0  # N > 1280
+# The kernels hold [D, D] blocks of the states as matrix-product operands in shared memory: two of them at
+# D = 256 (256 KB in bf16) exceed an H100's 227 KB, so wider heads always take the streamed form.
+MAX_HEAD_DIM = 128
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Factorization:
     causal: bool = False
     chunk: int = CHUNK
     crossover: float = CROSSOVER
+    max_head_dim: int = MAX_HEAD_DIM
 
     def describe(self) -> list[str]:
         mask = "causal: prefix moments, chunked" if self.causal else "no mask"
@@ -66,12 +70,13 @@ class Factorization:
         else:
             lines.append("  one [D, 2D] moment K_w^T [V | K] per kv head; backward: Q^T [dO / b(z) | delta Q]")
         lines.append(f"  O = numerator / b(z); cost O((Nq + Nk) D^2{' + N chunk D' if self.causal else ''}); "
-                     f"chosen per call when Nq Nk / (Nq + Nk) > {self.crossover:g} D (measured crossover)")
+                     f"chosen per call when Nq Nk / (Nq + Nk) > {self.crossover:g} D (measured crossover) and the "
+                     f"head-dim tile is at most {self.max_head_dim}")
         return lines
 
     def chosen(self, n_query: int, n_key: int, head_dim: int) -> bool:
-        """The generated op's rule (auto mode)."""
-        return n_query * n_key > self.crossover * head_dim * (n_query + n_key)
+        """The generated op's rule (auto mode); head_dim is the kernels' tile."""
+        return head_dim <= self.max_head_dim and n_query * n_key > self.crossover * head_dim * (n_query + n_key)
 
 
 def factorize(cert: Certificate, causal: bool) -> Factorization | None:

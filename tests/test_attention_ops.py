@@ -258,6 +258,28 @@ def test_factorization_is_chosen_by_cost_and_only_where_valid(op_cache, run_cli)
     assert "chosen at these sizes: streamed" in out
 
 
+def test_heads_wider_than_128_take_the_streamed_form(tmp_path, op_cache, run_cli):
+    """The factorized kernels hold [D, D] state blocks in shared memory, which at D = 256 exceeds an H100's (the GPU
+    check failed with OutOfResources): auto picks the streamed form, the plan says why, and forcing the factorized
+    form is a clear error, before any kernel runs."""
+    text = next(p for p in SPECS if p.stem == "causal_spherical_attention").read_text()
+    path = tmp_path / "causal_spherical_256.ncd"
+    path.write_text(text.replace("axis dim = 128", "axis dim = 256").replace("spec causal_spherical_attention",
+                                                                           "spec causal_spherical_256"))
+    status, out, err = run_cli("compile", str(path), "--emit", "plan", "--bind", "query=65536", "--bind",
+                               "key=65536")
+    assert status == 0, err
+    assert "chosen at these sizes: streamed" in out and "head-dim tile 256 > 128" in out
+    op = ncd.load(path, cache_dir=op_cache)
+    assert not op.module._use_factorized(65536, 65536, 256) and op.module._use_factorized(65536, 65536, 128)
+    q, k, v = _qkv(n=5, m=5, d=256)
+    op.module.FACTORIZE = "always"
+    with pytest.raises(ValueError, match="the factorized form runs head dims up to 128"):
+        op(q, k, v)
+    op.module.FACTORIZE = "auto"
+    torch.testing.assert_close(op(q, k, v), op.module.forward(q, k, v)[0])
+
+
 def test_factorized_op_registration_and_compile(op_cache):
     op = _load("causal_spherical_attention", op_cache)
     q, k, v = _qkv(n=37, m=37, d=128, requires_grad=True)
