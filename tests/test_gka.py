@@ -97,6 +97,36 @@ def test_inference_call_skips_the_saved_solution_and_gives_the_same_output(gka_m
     assert torch.equal(with_grad.detach(), in_no_grad) and torch.equal(in_no_grad, plain)
 
 
+def test_torch_compile_sees_the_custom_ops_and_eager_calls_skip_them(gka_module, monkeypatch):
+    """torch.compile(fullgraph=True) of the op (its custom ops, fake tensors, registered autograd) gives the eager
+    output, final state and gradients; eager calls run the kernels' autograd.Function, never the custom ops."""
+    from torch._library.custom_ops import CustomOpDef
+
+    leaves = [t.clone().requires_grad_() for t in draw(T=37)]
+
+    def run(*args):
+        o, (h, s) = gka_module.chunk(*args, chunk_size=16, output_final_state=True)
+        return o, h, s
+
+    def loss(outs):  # every output reaches the backward, the final states too
+        return sum((out * torch.linspace(-1, 1, out.shape[-1])).sum() for out in outs)
+
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")(*leaves)
+    compiled_grads = torch.autograd.grad(loss(compiled), leaves)
+    custom = [name for name, value in vars(gka_module).items() if isinstance(value, CustomOpDef)]
+    assert len(custom) == 2, custom
+
+    def no_dispatch(*args, **kwargs):
+        raise AssertionError("an eager call dispatched through a custom op")
+    for name in custom:
+        monkeypatch.setattr(gka_module, name, no_dispatch)
+    eager = run(*leaves)
+    for got, want in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(torch.autograd.grad(loss(eager), leaves), compiled_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("beta,alpha", [(True, True), (False, False)])
 def test_all_gradients_and_states_match_autograd_through_the_naive_recurrence(gka_module, beta, alpha):
     B, H = 2, 2
