@@ -4,14 +4,16 @@ not recognise a spec returns None, one that recognises it but cannot compile it 
 
 from __future__ import annotations
 
+import ast as pyast
 import hashlib
 from collections.abc import Callable
 from importlib import resources
 from typing import Protocol
 
-from . import __version__, ir
-from .errors import InvalidStatement
+from . import __version__, ast, ir
+from .errors import InvalidIdentifier, InvalidStatement
 from .pipeline import FrontEnd
+from .source import Span
 
 
 class KernelPlan(Protocol):
@@ -88,4 +90,39 @@ def op_id(front: FrontEnd) -> str:
 
 
 def generate(front: FrontEnd, kernel_plan: KernelPlan | None = None) -> str:
-    return (kernel_plan or plan(front)).render(front.program, op_id(front))
+    code = (kernel_plan or plan(front)).render(front.program, op_id(front))
+    _check_name_is_free(front, code)
+    return code
+
+
+def module_globals(code: str) -> list[str]:
+    """Every module-level binding of `code`, in order; a name bound twice is listed twice."""
+    names: list[str] = []
+
+    def visit(body: list[pyast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, pyast.FunctionDef | pyast.ClassDef):
+                names.append(node.name)
+            elif isinstance(node, pyast.Assign | pyast.AnnAssign):
+                targets = node.targets if isinstance(node, pyast.Assign) else [node.target]
+                names.extend(n.id for t in targets for n in pyast.walk(t) if isinstance(n, pyast.Name))
+            elif isinstance(node, pyast.Import | pyast.ImportFrom):
+                names.extend((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, pyast.If | pyast.Try):  # guarded imports and settings
+                visit(node.body + node.orelse + [s for h in getattr(node, "handlers", []) for s in h.body])
+
+    visit(pyast.parse(code).body)
+    return names
+
+
+def _check_name_is_free(front: FrontEnd, code: str) -> None:
+    """The spec's name becomes the op's function in the generated module: no other global may carry it (it
+    would replace an import, a kernel, a helper or a setting). The identifier check catches the common names
+    early; this catches every family's own globals."""
+    name = front.program.name
+    if module_globals(code).count(name) > 1:
+        stmt = next((s for s in front.module.statements if isinstance(s, ast.SpecName)), None)
+        span = stmt.name.span if stmt is not None else Span(front.source.filename, 1, 1, 1, 2)
+        raise InvalidIdentifier(span, name=name, reason="the generated module has a global of that name (its "
+                                "kernels, op or settings)", hint="rename the spec (`spec NAME`)",
+                                ).with_source(front.source)
