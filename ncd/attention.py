@@ -4,7 +4,6 @@ per-key weight, the mask, the scale, and the kernel's a1, a2, b and derivatives 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import sympy
 
@@ -172,7 +171,6 @@ class AttentionPlan:
     factorization: Factorization | None = None
     shape: AttentionShape | None = None
     factorized_cost: FormEstimate | None = None
-    dim_positions: tuple[int, int] = (3, 3)  # where the head-dim axis sits in Q's and K's declared axes
 
     def _padding(self) -> list[str]:
         dim = self.bindings.get(self.roles.q_axes[3])
@@ -229,20 +227,6 @@ class AttentionPlan:
     def constant_inputs(self) -> frozenset[str]:
         return frozenset({self.roles.weight} if self.roles.weight else ())
 
-    def condition_inputs(self, inputs: dict) -> dict:
-        """Queries and keys for validation share one random direction (unit variance per component), so that no
-        row's scores all sit near zero. Normalisers such as sqrt(sum s^2) are singular there, and there any fp32
-        kernel is off the float64 reference by more than the tolerance: causal spherical at head dim 40 gave dQ
-        and dK errors of 2.1e-4 in a CI run and 3.4e-5 at 1 seed in 90, against about 1e-7 at the others."""
-        q, k = inputs[self.roles.query], inputs[self.roles.key]
-        q_dim, k_dim = self.dim_positions
-        shared = q.float().movedim(q_dim, -1).reshape(-1, q.shape[q_dim])[0]  # one drawn row: seeds reproduce it
-
-        def along_dim(position: int, ndim: int) -> Any:
-            return shared.view([-1 if i == position else 1 for i in range(ndim)])
-        return {**inputs, self.roles.query: (q.float() + along_dim(q_dim, q.dim())).to(q.dtype),
-                self.roles.key: (k.float() + along_dim(k_dim, k.dim())).to(k.dtype)}
-
     def validation_sizes(self, program: ir.Program) -> dict[str, int]:
         """Odd sizes: 37 queries, 29 keys; 2 K/V heads with 2 query heads each where heads are grouped."""
         r = self.roles
@@ -288,9 +272,7 @@ def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan |
     shown = {a: bound[a] for a in dict.fromkeys((*r.q_axes, *r.k_axes))}
     factorization = factorize(cert, r.causal)
     factorized_cost = factorized_estimate(shape, factorization.chunk) if factorization is not None else None
-    dims = (q_tensor.axes.index(r.q_axes[3]), program.tensor(r.key).axes.index(r.k_axes[3]))
-    return AttentionPlan(cert, r, maps, shown, tuple(rank_configs(shape)), factorization, shape, factorized_cost,
-                         dims)
+    return AttentionPlan(cert, r, maps, shown, tuple(rank_configs(shape)), factorization, shape, factorized_cost)
 
 
 def _role_name(r: AttentionRoles, axis: str) -> str:
