@@ -120,7 +120,7 @@ class RecurrencePlan:
     def constant_inputs(self) -> frozenset[str]:
         return frozenset()
 
-    def condition_inputs(self, inputs: dict) -> dict:
+    def condition_inputs(self, program: ir.Program, inputs: dict, generator=None) -> dict:
         """Draws in the layer's domain: unit q and k, log gates <= 0, beta and alpha in (0, 1)."""
         import torch
 

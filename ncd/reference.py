@@ -62,10 +62,12 @@ def bind_sizes(program: ir.Program, tensors: Mapping[str, torch.Tensor]) -> dict
 
 
 def evaluate(program: ir.Program, tensors: Mapping[str, torch.Tensor | float],
-             dtype: torch.dtype = torch.float64, unrolled_solves: bool = False) -> dict[str, torch.Tensor]:
+             dtype: torch.dtype = torch.float64, unrolled_solves: bool = False,
+             normalisers: list[Named] | None = None) -> dict[str, torch.Tensor]:
     """Every output of the program, in `dtype`, from named inputs and parameters. A chebyshev_solve is
     differentiated implicitly, as the solve it approximates (docs/language.md, section 17), unless
-    `unrolled_solves`: then autograd follows its iterations."""
+    `unrolled_solves`: then autograd follows its iterations. Each normalize's b(z) is appended to
+    `normalisers` where one is given (validation looks at how close rows come to b's zero)."""
     env: dict[str, Named] = {}
     given: dict[str, torch.Tensor] = {}
     for t in (*program.inputs, *program.params):
@@ -85,6 +87,8 @@ def evaluate(program: ir.Program, tensors: Mapping[str, torch.Tensor | float],
             env[t.name] = ev.eval(t.default, {})  # a scalar input left at its default
     for d in program.definitions:
         env[d.tensor] = ev.to_axes(ev.eval(d.value, {}), program.tensor(d.tensor).axes)
+    if normalisers is not None:
+        normalisers += ev.normalisers
     return {t.name: env[t.name].data for t in program.outputs}
 
 
@@ -94,6 +98,7 @@ class _Evaluator:
         self.p, self.sizes, self.dtype, self.env = program, sizes, dtype, env
         self.unrolled_solves = unrolled_solves
         self.bases = {b.name: b for b in program.bases}
+        self.normalisers: list[Named] = []
 
     def const(self, value: float) -> Named:
         return Named(torch.tensor(value, dtype=self.dtype), ())
@@ -236,8 +241,10 @@ class _Evaluator:
         if node.weight is not None:
             keep = keep * self.to_axes(self.eval(node.weight, scope), s.axes).data
         dim = s.axes.index(node.over)
-        z = (keep * torch.where(keep != 0, self.lam(node.a2, data), 0)).sum(dim, keepdim=True)
-        out = keep * torch.where(keep != 0, self.lam(node.a1, data), 0) / self.lam(node.b, z)
+        z = (keep * torch.where(keep != 0, self.lam(node.a2, data), 0)).sum(dim)
+        b = self.lam(node.b, z)
+        self.normalisers.append(Named(b, tuple(a for a in s.axes if a != node.over)))
+        out = keep * torch.where(keep != 0, self.lam(node.a1, data), 0) / b.unsqueeze(dim)
         return Named(out, s.axes)
 
     def basis(self, node: ir.BasisEval, scope: dict[str, object]) -> Named:

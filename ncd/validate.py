@@ -68,7 +68,7 @@ def validate(op: Op, dtype: torch.dtype = torch.float32, device: str = "cpu", se
     inputs = random_inputs(op, kernel_plan, sizes, dtype, device, generator)
     condition = getattr(kernel_plan, "condition_inputs", None)  # families whose inputs have a domain
     if condition is not None:
-        inputs = condition(inputs)
+        inputs = condition(op.front.program, inputs, generator)
     differentiable = [n for n in inputs if n not in kernel_plan.constant_inputs()]
     leaves = {n: v.detach().requires_grad_(n in differentiable) for n, v in inputs.items()}
     out = op(*[leaves[t.name] for t in op.signature if t.axes])
