@@ -26,7 +26,9 @@ class NcdError(Exception):
         self.message = self.template.format(**fields)
         self.hint = hint if hint is not None else self.hint_template.format(**fields)
         self.source: Source | None = None
-        super().__init__(self.message)
+        # args set directly, not through Exception.__init__: torch.compile(fullgraph=True) can then trace a
+        # call-time check that raises, and names this error in its report instead of failing on the super() call
+        self.args = (self.message,)
 
     def with_source(self, source: Source) -> NcdError:
         self.source = source

@@ -212,6 +212,16 @@ def test_call_time_errors_name_tensor_and_axis(op_cache, mutate, message):
     assert message in info.value.message
 
 
+def test_call_time_errors_under_torch_compile_name_the_check(op_cache):
+    """torch.compile(fullgraph=True) cannot let an exception out of a traced region; it reports the one raised and
+    where. Ours must be traceable for that (an Exception.__init__ call through super() was not: the report then
+    named only the super() call)."""
+    op = _load("spherical_attention", op_cache)
+    q, k, v = _qkv()
+    with pytest.raises(Exception, match=r"(?s)raised exception CallError.*in bind_axes"):
+        torch.compile(op.fn, fullgraph=True, backend="aot_eager")(q, k[..., :64], v)
+
+
 def test_grouped_heads_must_divide(op_cache):
     op = _load("causal_gqa_spherical", op_cache)
     q = torch.randn(1, 3, 9, 128)
