@@ -375,11 +375,18 @@ def _kernel(module, suffix):
     return next(getattr(module, a) for a in dir(module) if a.endswith(suffix) and "fact" not in a)
 
 
-def _force(kernel, tile):
-    meta = {"BLOCK_M": tile[0], "BLOCK_N": tile[1], "HEADS_FAST": 0}
-    hook = kernel.configs[0].pre_hook
-    kernel.configs = [triton.Config(meta, num_warps=tile[2], num_stages=tile[3], pre_hook=hook)]
+def _set_configs(module, suffix, configs):
+    """Replace an autotuned kernel's configs; forget its tuned choices and the direct launches made with them."""
+    kernel = _kernel(module, suffix)
+    kernel.configs = configs
     kernel.cache.clear()
+    module._FAST.clear()
+
+
+def _force(module, suffix, tile):
+    meta = {"BLOCK_M": tile[0], "BLOCK_N": tile[1], "HEADS_FAST": 0}
+    hook = _kernel(module, suffix).configs[0].pre_hook
+    _set_configs(module, suffix, [triton.Config(meta, num_warps=tile[2], num_stages=tile[3], pre_hook=hook)])
 
 
 def tile_sweep(ops, cases, log, budget_s):
@@ -410,7 +417,7 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
                 for tile in FWD_TILES if tma else FWD_TILES[:1]:
                     if time.time() > deadline:
                         break
-                    _force(_kernel(module, "_fwd_kernel"), tile)
+                    _force(module, "_fwd_kernel", tile)
                     try:
                         ms = do_bench(lambda: module.forward(q, k, v), return_mode="median")
                     except Exception as exc:  # a tile that does not compile is a result
@@ -421,8 +428,7 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
                     if best is None or ms < best[0]:
                         best = (ms, tma, tile)
             module.USE_TMA = True
-            _kernel(module, "_fwd_kernel").configs = saved["_fwd_kernel"]
-            _kernel(module, "_fwd_kernel").cache.clear()
+            _set_configs(module, "_fwd_kernel", saved["_fwd_kernel"])
             log(f"  best fwd: {best}")
         if "bwd" in kinds:
             o, stats = module.forward(q, k, v)
@@ -434,7 +440,7 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
                 for tile in tiles:
                     if time.time() > deadline:
                         break
-                    _force(_kernel(module, suffix), tile)
+                    _force(module, suffix, tile)
                     try:
                         ms = do_bench(lambda: module.backward(do, q, k, v, o, stats), return_mode="median")
                     except Exception as exc:
@@ -443,9 +449,7 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
                     log(f"  bwd (all kernels) with {suffix} {tile}: {ms:.3f} ms")
                     if best is None or ms < best[0]:
                         best = (ms, tile)
-                kernel = _kernel(module, suffix)
-                kernel.configs = saved[suffix]
-                kernel.cache.clear()
+                _set_configs(module, suffix, saved[suffix])
                 log(f"  best {suffix} ({'stored dS' if ds_bytes else 'recompute'}): {best}")
             module.DS_BUFFER_BYTES = ds_default
         if "fused" in kinds:  # the atomic-dQ backward (5 products per block pair instead of 7)
@@ -455,7 +459,7 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
             for tile in FUSED_TILES:
                 if time.time() > deadline:
                     break
-                _force(_kernel(module, "_bwd_fused_kernel"), tile)
+                _force(module, "_bwd_fused_kernel", tile)
                 try:
                     ms = do_bench(lambda: module.backward(do, q, k, v, o, stats), return_mode="median")
                 except Exception as exc:  # a tile that does not compile is a result
@@ -482,8 +486,7 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
     finally:
         module.DS_BUFFER_BYTES = ds_default
         for suffix, configs in saved.items():
-            _kernel(module, suffix).configs = configs
-            _kernel(module, suffix).cache.clear()
+            _set_configs(module, suffix, configs)
         if hasattr(module, "FACTORIZE"):
             module.FACTORIZE = "auto"
 

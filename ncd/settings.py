@@ -41,6 +41,8 @@ class Settings:
     attention_ds_buffer_bytes: int | None = None
     # NCD_FIT_CARVEOUT: give kernels that spill registers more L1 (ncd/carveout.py; default on)
     fit_carveout: bool = True
+    # NCD_FAST_LAUNCH: launch compiled kernels directly after their first call (ncd/launch.py; default on)
+    fast_launch: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -55,7 +57,7 @@ class Settings:
         return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=Path(cache),
                    attention_factorize=factorize, gka_dot_precision=precision, gka_grad_precision=grad_precision,
                    attention_ds_buffer_bytes=_bytes("NCD_ATTENTION_DS_BUFFER_BYTES"),
-                   fit_carveout=_flag("NCD_FIT_CARVEOUT", True))
+                   fit_carveout=_flag("NCD_FIT_CARVEOUT", True), fast_launch=_flag("NCD_FAST_LAUNCH", True))
 
 
 def settings() -> Settings:

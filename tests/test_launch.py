@@ -1,0 +1,120 @@
+"""ncd/launch.py: direct launches of compiled kernels after Triton's first launch at a specialisation. There is no
+GPU here, so Triton's side is played by stand-ins that record what they are called with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ncd import launch
+
+
+class Compiled:
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def launch_metadata(self, *args):
+        return "launch-metadata"
+
+    def run(self, *args):
+        self.calls.append(("direct", *args))
+
+
+class Config:
+    def __init__(self, calls):
+        self.kwargs = {"BLOCK": 32}
+        self.pre_hook = lambda nargs: calls.append(("hook", nargs["x"].shape, nargs["BLOCK"]))
+
+
+class Tuned:
+    """An autotuned kernel (x, n, BLOCK: constexpr tuned, MODE: constexpr given) as Triton presents it."""
+
+    class fn:  # the JIT function an autotuner wraps
+        arg_names = ("x", "n", "scale", "BLOCK", "MODE")
+
+    def __init__(self):
+        self.calls: list = []
+        self.best_config = Config(self.calls)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append(("triton", grid({**kwargs, **self.best_config.kwargs}), args, kwargs))
+            return Compiled(self.calls)
+        return run
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_current_stream", lambda device: 77)
+
+
+def _grid(meta):
+    return (100 // meta["BLOCK"] + 1,)
+
+
+def test_second_call_launches_the_compiled_kernel_with_tritons_argument_order(gpu):
+    kernel = Tuned()
+    fast = launch.FastKernel(kernel, enabled=True)
+    x = torch.zeros(3, 4)
+    fast[_grid](x, 100, 0.5, MODE="a")
+    assert kernel.calls == [("triton", (4,), (x, 100, 0.5), {"MODE": "a"})] and fast.why == "direct"
+    y = torch.ones(3, 4)  # another tensor of the same dtype, device and alignment
+    fast[_grid](y, 100, 0.25, MODE="a")
+    runtime = launch._RUNTIME
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    meta = "launch-metadata" if enter is not None else None
+    assert kernel.calls[1:] == [("hook", (3, 4), 32),
+                                ("direct", 4, 1, 1, 77, "function", "packed", meta, enter, leave, y, 100, 0.25, 32,
+                                 "a")]
+
+
+@pytest.mark.parametrize("change", ["int", "constexpr", "dtype", "alignment"])
+def test_anything_triton_specialises_on_goes_back_to_triton(gpu, change):
+    kernel = Tuned()
+    fast = launch.FastKernel(kernel, enabled=True)
+    x = torch.zeros(64)
+    fast[_grid](x, 100, 0.5, MODE="a")
+    args, mode = [x, 100, 0.5], "a"
+    if change == "int":
+        args[1] = 96  # divisible by 16 now: Triton would compile another kernel
+    elif change == "constexpr":
+        mode = "b"
+    elif change == "dtype":
+        args[0] = x.double()
+    else:
+        args[0] = x[1:]  # 4 bytes past a 16-byte boundary
+    fast[_grid](*args, MODE=mode)
+    assert [c[0] for c in kernel.calls] == ["triton", "triton"]
+    fast[_grid](*args, MODE=mode)
+    assert kernel.calls[-1][0] == "direct"
+
+
+def test_disabled_or_unusual_kernels_stay_on_tritons_path(gpu):
+    kernel = Tuned()
+    off = launch.FastKernel(kernel, enabled=False)
+    for _ in range(2):
+        off[_grid](torch.zeros(4), 100, 0.5, MODE="a")
+    assert [c[0] for c in kernel.calls] == ["triton", "triton"]
+
+    class Misordered(Tuned):
+        class fn:
+            arg_names = ("x", "BLOCK", "n", "scale", "MODE")  # a constexpr before a runtime argument
+
+    kernel = Misordered()
+    fast = launch.FastKernel(kernel, enabled=True)
+    for _ in range(2):
+        fast[_grid](torch.zeros(4), 100, 0.5, MODE="a")
+    assert [c[0] for c in kernel.calls] == ["triton", "triton"]
+    assert "constexprs" in fast.why
+
+
+def test_on_by_default_except_in_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not launch.FastKernel(Tuned()).enabled
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert launch.FastKernel(Tuned()).enabled
+    monkeypatch.setenv("NCD_FAST_LAUNCH", "0")
+    assert not launch.FastKernel(Tuned()).enabled
