@@ -46,6 +46,7 @@ try:
 except ImportError:  # not installed: use the checkout this script lives in
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import ncd
+import ncd.launch
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "specs"
 HEADS, DIM, TOKENS = 16, 128, 32768
@@ -380,7 +381,7 @@ def _set_configs(module, suffix, configs):
     kernel = _kernel(module, suffix)
     kernel.configs = configs
     kernel.cache.clear()
-    module._FAST.clear()
+    ncd.launch.forget(kernel)
 
 
 def _force(module, suffix, tile):

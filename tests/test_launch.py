@@ -118,3 +118,65 @@ def test_on_by_default_except_in_the_interpreter(monkeypatch):
     assert launch.FastKernel(Tuned()).enabled
     monkeypatch.setenv("NCD_FAST_LAUNCH", "0")
     assert not launch.FastKernel(Tuned()).enabled
+
+
+class Jit:
+    """A @triton.jit kernel (a, b, C1: constexpr, C2: constexpr) as Triton presents it; `fail_above` stages raise
+    Triton's OutOfResources."""
+
+    arg_names = ("a", "b", "C1", "C2")
+
+    @staticmethod
+    def fn(a, b, C1, C2):  # a JIT function's `fn`: the plain Python function, which has no arg_names
+        pass
+
+    def __init__(self, fail_above=None):
+        self.calls: list = []
+        self.fail_above = fail_above
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append(("triton", grid, args, kwargs))
+            if self.fail_above is not None and kwargs["num_stages"] > self.fail_above:
+                raise type("OutOfResources", (Exception,), {})("shared memory")
+            return Compiled(self.calls)
+        return run
+
+
+def test_bound_kernel_launches_directly_with_the_constexprs_in_signature_order():
+    kernel = Jit()
+    bound = launch.BoundKernel(kernel, (2, 3), {"C2": "x", "C1": 1}, num_warps=4, num_stages=2, enabled=True)
+    bound(77, "A", "B")
+    assert kernel.calls == [("triton", (2, 3, 1), ("A", "B"), {"C2": "x", "C1": 1, "num_warps": 4, "num_stages": 2})]
+    assert bound.why == "direct"
+    bound(78, "A2", "B2")
+    runtime = launch._RUNTIME
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    meta = "launch-metadata" if enter is not None else None
+    assert kernel.calls[1] == ("direct", 2, 3, 1, 78, "function", "packed", meta, enter, leave, "A2", "B2", 1, "x")
+
+
+def test_bound_kernel_steps_down_pipeline_stages_on_out_of_resources():
+    kernel = Jit(fail_above=1)
+    bound = launch.BoundKernel(kernel, (4,), {"C1": 1, "C2": "x"}, num_stages=3, enabled=True)
+    bound(0, "A", "B")
+    assert [c[3]["num_stages"] for c in kernel.calls] == [3, 2, 1] and bound.options["num_stages"] == 1
+    with pytest.raises(Exception, match="shared memory"):  # nothing left to step down: Triton's error
+        launch.BoundKernel(Jit(fail_above=0), (4,), {"C1": 1, "C2": "x"}, num_stages=1, enabled=True)(0, "A", "B")
+
+
+def test_bound_kernel_stays_on_tritons_path_when_disabled():
+    kernel = Jit()
+    bound = launch.BoundKernel(kernel, (4,), {"C1": 1, "C2": "x"}, enabled=False)
+    for _ in range(2):
+        bound(0, "A", "B")
+    assert [c[0] for c in kernel.calls] == ["triton", "triton"] and bound.why == "disabled"
+
+
+def test_plain_jit_kernel_launches_directly_with_its_constexprs_and_keyed_options(gpu):
+    kernel = Jit()
+    fast = launch.FastKernel(kernel, enabled=True)
+    for warps in (4, 4, 8):
+        fast[(5,)]("A", "B", C2="x", C1=1, num_warps=warps)
+    assert [c[0] for c in kernel.calls] == ["triton", "direct", "triton"]
+    assert kernel.calls[1][-4:] == ("A", "B", 1, "x")  # every parameter, in signature order, no options
