@@ -400,9 +400,10 @@ def timing() -> tuple[list[tuple], list[tuple]]:
                     launchers = [k for p in layer._op.module._PLANS.values() for k in (
                         *p._fwd.values(), *p._bwd.values(), *p._basis.values(), *getattr(p, "_split", {}).values(),
                         *[getattr(p, a) for a in ("gemm_fwd", "gemm_dc", "dx") if hasattr(p, a)])]
-                    names = ", ".join(k.fn.__name__ + ("" if k.k is not None else f" (JIT: {k.why})")
+                    names = ", ".join(k.kernel.__name__ + ("" if k.compiled is not None else f" (JIT: {k.why})")
                                       for k in launchers)
-                    log(f"      direct launches active: {sum(k.k is not None for k in launchers)} of {len(launchers)} "
+                    active = sum(k.compiled is not None for k in launchers)
+                    log(f"      direct launches active: {active} of {len(launchers)} "
                         f"kernels ({names})")
     return rows, prof_rows
 
@@ -507,7 +508,8 @@ def _host_breakdown(cfg: tuple[int, int, int, int]) -> None:
             ("dict lookup of the route key", lambda: module._ROUTES.get(key)),
             ("x.new_empty", lambda: xn.new_empty((b, o))),
             ("direct launch of the forward kernel", lambda: k(stream, *args)),
-            ("Triton JIT launch of the same kernel", lambda: module._fwd_fused[k.grid](*args, **k.consts, **k.opts)),
+            ("Triton JIT launch of the same kernel",
+             lambda: module._fwd_fused[k.grid](*args, **k.constexprs, **k.options)),
             ("forward_impl (plan, buffers, alloc, launch)", lambda: module.forward_impl(xn, c, o)),
             ("backward_impl (plan, buffers, 2 allocs, launch)", lambda: module.backward_impl(g, xn, c, o)),
             ("layer(x) under no_grad", lambda: no_grad(layer, x)),
