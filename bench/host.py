@@ -42,11 +42,15 @@ def per_call_us(fn, calls=300, rounds=3):
     return best
 
 
+def set_direct_launches(on):
+    for launcher in ncd.launch._LAUNCHERS.values():
+        launcher.enabled = on
+
+
 def fast_launch_ab(fn, pairs=9, calls=200):
     """(median us with direct launches, median without, median paired difference) of `fn`."""
     def timed(on):
-        for launcher in ncd.launch._LAUNCHERS.values():
-            launcher.enabled = on
+        set_direct_launches(on)
         return per_call_us(fn, calls=calls, rounds=1)
 
     timed(True)  # every launcher created and past its first (Triton) launch
@@ -77,16 +81,14 @@ def direct_launch_matches():
     for name, (fn, inputs) in ops.items():
         results = []
         for on in (True, True, True, False):  # the first call launches through Triton, the next directly
-            for launcher in ncd.launch._LAUNCHERS.values():
-                launcher.enabled = on
+            set_direct_launches(on)
             leaves = [t.detach().clone().requires_grad_() for t in inputs]
             out = fn(*leaves)
             grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
             results.append([out, *grads])
         direct, tritons = results[2], results[3]
         diffs[name] = max((d.float() - t.float()).abs().max().item() for d, t in zip(direct, tritons, strict=True))
-    for launcher in ncd.launch._LAUNCHERS.values():
-        launcher.enabled = True
+    set_direct_launches(True)
     return diffs
 
 
