@@ -263,7 +263,7 @@ def ncd_layer(i: int, o: int, d: int, basis: str = "chebyshev", **kw) -> PolyKAN
 
 def bf16_layer(i: int, o: int, d: int) -> ChebyKANLayer:
     """ChebyKANLayer compiled with matmul=bf16x3 (the GEMM regime's operands as bf16 parts)."""
-    layer = ChebyKANLayer(i, o, d)
+    layer = ChebyKANLayer(i, o, d, layout="kernel")
     op = ncd.load(ncd.polykan.spec_path("chebyshev"), sizes={"deg": d + 1}, options={"matmul": "bf16x3"})
     layer._op, layer._fn = op, op.fn
     return layer
@@ -352,13 +352,14 @@ def variants_for(cfg: tuple[int, int, int, int]) -> list[tuple[str, torch.nn.Mod
         layer.load_state_dict(eager.state_dict())
         out.append((name, layer))
 
-    for name, kw in ((MAIN, {}), ("ncd (recurrence, kernel layout)", {"basis_eval": "recurrence"}),
+    for name, kw in ((MAIN, {"layout": "kernel"}),
+                     ("ncd (recurrence, kernel layout)", {"basis_eval": "recurrence", "layout": "kernel"}),
                      ("ncd (LUT, spec layout: reorder per step)", {"layout": "spec"})):
         same_weights(name, ChebyKANLayer(i, o, d, **kw))
     if cfg == LARGE:
         same_weights("ncd (LUT, matmul=bf16x3)", bf16_layer(i, o, d))
     else:
-        same_weights("ncd (LUT, Triton's JIT launch path)", ChebyKANLayer(i, o, d))
+        same_weights("ncd (LUT, Triton's JIT launch path)", ChebyKANLayer(i, o, d, layout="kernel"))
     return out
 
 

@@ -34,7 +34,8 @@ from ncd.factorize import Factorization
 TEMPLATE_NAME = "attention.py.jinja"
 
 # Origin labels with a fixed place in the generated code; any other label is listed in the header.
-ORIGIN_SITES = ("a1", "a2", "da1", "da2", "b", "db_over_b", "online_max", "causal", "weight", "scale", "factorized")
+ORIGIN_SITES = ("a1", "a2", "da1", "da2", "b", "db_over_b", "online_max", "causal", "weight", "scale", "factorized",
+                "pre", "dpre")
 CHUNKED_TEMPLATE_NAME = "attention_chunked.py.jinja"
 
 # Names an expression may use besides its free variable.
@@ -92,6 +93,10 @@ class AttentionKernelSpec:
     # forward autotune set (BLOCK_M, BLOCK_N, num_warps, num_stages), from the plan's cost ranking;
     # empty: the template's measured default list
     forward_configs: tuple[tuple[int, int, int, int], ...] = ()
+    # stabiliser pre-map t = pre(s) of the scaled score and its derivative (the maps a1, a2 take t; the backward
+    # multiplies dS by dpre(s)); "" when a1, a2 take s itself
+    pre: str = ""
+    dpre: str = ""
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -100,6 +105,11 @@ class AttentionKernelSpec:
             _check_expression(field, getattr(self, field), "x")
         for field in ("b", "db_over_b"):
             _check_expression(field, getattr(self, field), "z")
+        if bool(self.pre) != bool(self.dpre):
+            raise AttentionSpecError("pre and dpre come together")
+        for field in ("pre", "dpre"):
+            if getattr(self, field):
+                _check_expression(field, getattr(self, field), "x")
         for config in self.forward_configs:
             if len(config) != 4 or not all(isinstance(v, int) and v > 0 for v in config):
                 raise AttentionSpecError(f"forward configs are 4 positive ints, got {config!r}")
@@ -161,7 +171,9 @@ def render_attention_module(spec: AttentionKernelSpec, factorization: Factorizat
     same_a = spec.a1.strip() == spec.a2.strip() and spec.da1.strip() == spec.da2.strip()
     # a1 = a2 = a1' = a2' = exp with the running max: the kernels evaluate exp2 with log2(e) folded into the
     # scale (one FFMA and one MUFU.EX2 per score) instead of the spliced tl.exp.
-    exp2 = spec.online_max and all(_same_expression(getattr(spec, f), "tl.exp(x)") for f in ("a1", "a2", "da1", "da2"))
+    # (not with a pre-map: the score goes through h before the exponential)
+    exp2 = spec.online_max and not spec.pre and all(
+        _same_expression(getattr(spec, f), "tl.exp(x)") for f in ("a1", "a2", "da1", "da2"))
     functions = [
         _device_function(f"{prefix}_a1", "x", spec.a1, "a1: numerator map"),
         _device_function(f"{prefix}_a2", "x", spec.a2, "a2: normaliser map"),
@@ -170,7 +182,12 @@ def render_attention_module(spec: AttentionKernelSpec, factorization: Factorizat
         _device_function(f"{prefix}_b", "z", spec.b, "b: applied to the row normaliser z"),
         _device_function(f"{prefix}_db_over_b", "z", spec.db_over_b, "b'(z) / b(z)"),
     ]
-    for fn, label in zip(functions, ("a1", "a2", "da1", "da2", "b", "db_over_b"), strict=True):
+    labels = ["a1", "a2", "da1", "da2", "b", "db_over_b"]
+    if spec.pre:
+        functions += [_device_function(f"{prefix}_pre", "x", spec.pre, "h: stabiliser pre-map of the score"),
+                      _device_function(f"{prefix}_dpre", "x", spec.dpre, "h'")]
+        labels += ["pre", "dpre"]
+    for fn, label in zip(functions, labels, strict=True):
         fn["origin"] = origin_comment(label)
     other_origins = [(label, locs) for label, locs in origin.items() if label not in ORIGIN_SITES]
 

@@ -10,6 +10,7 @@ import sympy
 from ncd import ir
 from ncd.attention import AttentionRoles, KernelMaps
 from ncd.factorize import Factorization
+from ncd.source import origin_name
 from ncd.streaming import Certificate
 from ncd.symbolic import to_sympy
 
@@ -23,18 +24,20 @@ def kernel_spec(name: str, cert: Certificate, roles: AttentionRoles, maps: Kerne
     out_line = program.tensor(roles.output).span.origin
     origin = [("a1", norm_line), ("a2", norm_line), ("da1", norm_line), ("da2", norm_line), ("b", norm_line),
               ("db_over_b", norm_line), ("online_max", norm_line), ("output", out_line)]
+    if maps.pre:
+        origin += [("pre", norm_line), ("dpre", norm_line)]
     if roles.causal:
         origin.append(("causal", norm_line))
     if factorized:
         origin.append(("factorized", norm_line))
     if roles.weight:
         origin.append(("weight", program.tensor(roles.weight).span.origin))
-    if isinstance(roles.scale, str):
-        origin.append(("scale", program.tensor(roles.scale).span.origin))
+    for scalar in roles.scale_inputs:
+        origin.append(("scale", program.tensor(scalar).span.origin))
     return AttentionKernelSpec(
         name=name, a1=maps.a1, a2=maps.a2, da1=maps.da1, da2=maps.da2, b=maps.b, db_over_b=maps.db_over_b,
         online_max=cert.rescale is not None, causal=roles.causal, has_weight=roles.weight is not None,
-        origin=tuple(origin), forward_configs=forward_configs,
+        origin=tuple(origin), forward_configs=forward_configs, pre=maps.pre, dpre=maps.dpre,
     )
 
 
@@ -48,6 +51,15 @@ def _default_code(program: ir.Program, tensor: ir.Tensor) -> str:
     for s in expr.free_symbols:
         code = code.replace(f"sizes_{s.name}", f'_sizes["{s.name}"]')
     return f"float({code})"
+
+
+def _scale_grad_inputs(roles: AttentionRoles) -> list[str]:
+    """The scalar inputs whose gradient the op routes through q: those the scale reads, where the scale is
+    arithmetic that tensors follow (a `math.` function would turn a tensor into a float and drop its gradient; such
+    inputs stay constants, and a call that needs their gradient is an error)."""
+    if not isinstance(roles.scale, str) or "math." in roles.scale:
+        return []
+    return list(roles.scale_inputs)
 
 
 def render_attention_op(program: ir.Program, cert: Certificate, roles: AttentionRoles, maps: KernelMaps,
@@ -86,9 +98,10 @@ def render_attention_op(program: ir.Program, cert: Certificate, roles: Attention
     axes_table = {a.name: (a.fixed, a.factors) for a in program.axes}
     scale_expr = roles.scale if isinstance(roles.scale, str) else repr(roles.scale)
     wrapper = _environment().get_template("attention_op.py.jinja").render(
-        spec_name=program.name, origin_file=program.source.filename.rsplit("/", 1)[-1], op_id=op_id,
+        spec_name=program.name, origin_file=origin_name(program.source.filename), op_id=op_id,
         params=params, signature=", ".join(params), axes_table=repr(axes_table), tensor_inputs=tensor_inputs,
-        scalar_inputs=scalar_inputs, roles=roles, perms=perms, weight_expr=weight_expr, scale_expr=scale_expr,
+        scalar_inputs=scalar_inputs, scalar_names=[t.name for t in inputs if not t.axes], roles=roles,
+        scale_grad_inputs=_scale_grad_inputs(roles), perms=perms, weight_expr=weight_expr, scale_expr=scale_expr,
         output=roles.output, output_axes=o_axes, factorization=factorization, norm_origin=cert.span.origin,
         origins={"output": program.tensor(roles.output).span.origin, "weight": dict(spec.origin).get("weight", "")},
     )

@@ -10,6 +10,7 @@ import sympy
 
 from ncd import ir
 from ncd.recurrence import BETA, RIDGE, RecurrencePlan
+from ncd.source import origin_name
 from ncd.symbolic import triton_expr
 
 from .attention import _environment
@@ -33,25 +34,30 @@ def render_gka_module(program: ir.Program, plan: RecurrencePlan, op_id: str) -> 
     ks, vs = plan.key_scale, plan.value_scale
     rho_python = sympy.pycode(plan.rho.subs(RIDGE, sympy.Symbol("a")))
     kernels = env.get_template("gka.py.jinja").render(
-        spec_name=program.name, origin_file=program.source.filename.rsplit("/", 1)[-1], roles=r,
+        spec_name=program.name, origin_file=origin_name(program.source.filename), roles=r,
         origins=plan.origins, ridge=repr(plan.ridge), iterations=plan.iterations,
         key_scale=_device_expr(ks), key_scale_grad=_device_expr(sympy.diff(ks, BETA)),
         value_scale=_device_expr(vs), value_scale_grad=_device_expr(sympy.diff(vs, BETA)),
         key_scale_text=f"({ks})".replace("bt", r.beta or "1"), value_scale_text=f"({vs})".replace("bt", r.beta or "1"),
-        rho_text=str(plan.rho), rho_python=rho_python,
+        rho_text=str(plan.rho), rho_python=rho_python, output_factor=repr(float(plan.output_factor)),
     )
     inputs = [t for t in program.inputs]
     params = [t.name if t.default is None else f"{t.name}=None" for t in inputs]
+    required = [f"({t.name!r}, {t.name})" for t in inputs if t.default is None]
+    present = {"beta": r.beta is not None, "alpha": r.alpha is not None, "scale": r.scale is not None}
     by_role = {r.q: "q", r.k: "k", r.v: "v", r.g: "g", r.beta: "beta", r.alpha: "alpha", r.scale: "scale"}
     call_args = ", ".join(f"{by_role[t.name]}={t.name}" for t in inputs)
-    scale_default = _default_code(program, program.tensor(r.scale)) if r.scale else "1.0"
+    scale_input = program.tensor(r.scale) if r.scale else None
+    scale_default = "1.0" if scale_input is None else (
+        _default_code(program, scale_input) if scale_input.default is not None else "None")
     axes = {role: tuple(program.tensor(name).axes) for role, name in
             (("q", r.q), ("k", r.k), ("v", r.v), ("g", r.g), ("o", r.output))}
     axes["beta"] = tuple(program.tensor(r.beta).axes) if r.beta else (r.batch, r.time, r.head)
     axes["alpha"] = tuple(program.tensor(r.alpha).axes) if r.alpha else (r.batch, r.time, r.head)
     op = env.get_template("gka_op.py.jinja").render(
-        spec_name=program.name, op_id=op_id, origin_file=program.source.filename.rsplit("/", 1)[-1], roles=_Roles(r),
-        origins=plan.origins, params=params, call_args=call_args, scale_default=scale_default,
+        spec_name=program.name, op_id=op_id, origin_file=origin_name(program.source.filename), roles=_Roles(r),
+        origins=plan.origins, params=params, call_args=call_args, scale_default=scale_default, required=required,
+        present=present,
         axes_table=repr({a.name: (a.fixed, a.factors) for a in program.axes}), axes=axes,
     )
     text = kernels + op

@@ -15,6 +15,7 @@ import sympy
 from ncd import ir
 from ncd.basis_lut import N, U
 from ncd.polykan import MATMUL
+from ncd.source import origin_name
 from ncd.symbolic import triton_expr
 
 from .attention import _environment
@@ -92,13 +93,24 @@ def _recurrence_context(plan: PolyKANPlan) -> dict[str, Any]:
             "dstep_text": dstep, "initial_texts": initial, "dinitial_texts": dinitial}
 
 
+def _constant_prefix(plan: PolyKANPlan) -> int:
+    """How many leading basis terms are constants (free of u): the LUT reads them exactly, so that P_0 = 1 at a
+    NaN argument as in recurrence mode (NaN in -> NaN out only where the value depends on the input)."""
+    count = 0
+    for p in plan.recurrence.initial:
+        if U in sympy.sympify(p).free_symbols:
+            break
+        count += 1
+    return count
+
+
 def render_polykan_op(program: ir.Program, plan: PolyKANPlan, op_id: str) -> str:
     r = plan.roles
     D = plan.degrees
     xv = sympy.Symbol("xv", real=True)
     u = sympy.Symbol("u", real=True)
     ctx: dict[str, Any] = {
-        "spec_name": program.name, "origin_file": program.source.filename.rsplit("/", 1)[-1], "op_id": op_id,
+        "spec_name": program.name, "origin_file": origin_name(program.source.filename), "op_id": op_id,
         "D": D, "basis_name": r.basis, "basis_origin": r.basis_origin, "arg_origin": r.arg_origin,
         "out_origin": r.out_origin, "recurrence_lines": plan.recurrence.describe(),
         "arg_text": sympy.sstr(plan.arg.subs(xv, sympy.Symbol(r.x))),
@@ -118,7 +130,7 @@ def render_polykan_op(program: ir.Program, plan: PolyKANPlan, op_id: str) -> str
             u_hi=repr(float(plan.domain[1] if plan.domain else 1.0)),
             t_expr=_check(triton_expr(table.param.forward.subs(U, u)), {"u"}),
             table_b64=[data[i:i + 100] for i in range(0, len(data), 100)],
-            lut_error=table.error, lut_derror=table.derror,
+            lut_error=table.error, lut_derror=table.derror, lut_const=_constant_prefix(plan),
             mode_text=f"lookup table in t = {table.param.name}, {table.entries} entries, linear interpolation "
                       f"(measured max relative error {table.error:.3g}, derivatives {table.derror:.3g})",
         )

@@ -10,6 +10,7 @@ from typing import Any
 
 from ncd import ir
 from ncd.rational import BWD_WARPS, RationalPlan, backward_registers, backward_resident
+from ncd.source import origin_name
 
 from .attention import _environment
 
@@ -53,7 +54,7 @@ def _origins(program: ir.Program, plan: RationalPlan) -> str:
         seen.append(name)
         todo += [n.tensor for n in ir.walk(lets[name].value) if isinstance(n, ir.Load)]
     lines = sorted({lets[n].span.line for n in seen})
-    file = program.source.filename.rsplit("/", 1)[-1]
+    file = origin_name(program.source.filename)
     return ", ".join(f"{file}:{line}" for line in lines)
 
 
@@ -103,7 +104,7 @@ def render_rational_op(program: ir.Program, plan: RationalPlan, op_id: str) -> s
                           "group_pos": None})
         a["grad"] = grads[-1]
     ctx: dict[str, Any] = {
-        "spec_name": program.name, "origin_file": program.source.filename.rsplit("/", 1)[-1], "op_id": op_id,
+        "spec_name": program.name, "origin_file": origin_name(program.source.filename), "op_id": op_id,
         "p": f"_{op_id}", "roles": r, "k_total": len(plan.coefficients), "kg": kg, "ks": ks,
         "coefficients": plan.coefficients, "coef_loads": coef_loads, "params": param_args,
         "fwd_prologue": _statements(d.fwd_prologue), "fwd_body": _statements(d.fwd_body),

@@ -1,5 +1,6 @@
 """ncd: compile neural circuit diagram specs to fused Triton kernels wrapped as PyTorch ops."""
 
+from .cache import CacheError
 from .errors import NcdError
 from .ir import Program
 from .pipeline import FrontEnd, front_end, load_spec
@@ -14,4 +15,4 @@ def load(path, cache_dir=None, sizes=None, options=None):
 
 __version__ = "0.1.0"
 
-__all__ = ["FrontEnd", "NcdError", "Program", "__version__", "front_end", "load", "load_spec"]
+__all__ = ["CacheError", "FrontEnd", "NcdError", "Program", "__version__", "front_end", "load", "load_spec"]

@@ -21,8 +21,8 @@ from .cost import (
 from .errors import NotStreamable
 from .factorize import Factorization, factorize
 from .pipeline import FrontEnd
+from .stable_exp import stable_triton_expr
 from .streaming import Certificate, X, Z, certify
-from .symbolic import triton_expr
 
 
 class UnsupportedAttention(NotStreamable):
@@ -37,7 +37,7 @@ class AttentionRoles:
     key: str
     value: str
     weight: str | None
-    scale: str | float  # a scalar input's name, or a number
+    scale: str | float  # host Python text of the scale (scalar inputs by name, axis sizes from `_sizes`), or a number
     output: str
     q_axes: tuple[str, str, str, str]  # spec axes playing (batch, head, query, dim) for Q
     k_axes: tuple[str, str, str, str]  # (batch, kv-head, key, dim) for K
@@ -45,6 +45,7 @@ class AttentionRoles:
     o_axes: tuple[str, str, str, str]
     weight_axes: tuple[str, str] | None  # (batch, key)
     causal: bool
+    scale_inputs: tuple[str, ...] = ()  # the scalar inputs the scale reads
 
 
 def _load_of_input(program: ir.Program, node: ir.Node, what: str) -> ir.Load:
@@ -109,9 +110,34 @@ def roles(program: ir.Program, cert: Certificate) -> AttentionRoles:
         if not causal:
             raise UnsupportedAttention(norm.mask.span, detail=f"the attention kernels support the causal mask "
                                        f"`{axis} <= {query}` only")
-    scale: str | float = str(cert.scale) if cert.scale.is_Symbol else float(cert.scale)
+    scale, scale_inputs = _host_scale(program, cert)
     return AttentionRoles(q.tensor, k.tensor, v.tensor, weight, scale, cert.output,
-                          (batch, head, query, dim), k_axes, v_axes, o_axes, weight_axes, causal)
+                          (batch, head, query, dim), k_axes, v_axes, o_axes, weight_axes, causal, scale_inputs)
+
+
+def _host_scale(program: ir.Program, cert: Certificate) -> tuple[str | float, tuple[str, ...]]:
+    """The score's scale as host Python text over the scalar inputs and `_sizes[axis]`, or a number."""
+    from sympy.printing.pycode import PythonCodePrinter
+
+    expr = cert.scale
+    if not expr.free_symbols:
+        return float(expr), ()
+    sizes = {a.size: a.name for a in program.axes if isinstance(a.size, sympy.Symbol)}
+    inputs = {t.name for t in program.inputs if not t.axes}
+    used: list[str] = []
+    for symbol in sorted(expr.free_symbols, key=str):
+        if symbol not in sizes:
+            if symbol.name not in inputs:
+                raise UnsupportedAttention(cert.span, detail=f"the scale {expr} reads '{symbol}', which is neither "
+                                           "a scalar input nor an axis size")
+            used.append(symbol.name)
+
+    class _Printer(PythonCodePrinter):
+        def _print_Symbol(self, symbol: sympy.Symbol) -> str:
+            return f'_sizes["{sizes[symbol]}"]' if symbol in sizes else symbol.name
+
+    text = _Printer({"fully_qualified_modules": True}).doprint(expr)
+    return text, tuple(used)
 
 
 def _is_causal(mask: ir.Node, query: str, key: str) -> bool:
@@ -141,16 +167,26 @@ class KernelMaps:
     da2: str
     b: str
     db_over_b: str
+    pre: str = ""  # the stabiliser's pre-map h of the score and h' ("": none, h = x)
+    dpre: str = ""
 
 
 def kernel_maps(cert: Certificate) -> KernelMaps:
     d = cert.derivatives()
-    for name, expr, var in (("a1", cert.a1, X), ("a2", cert.a2, X), ("b", cert.b, Z)):
+    for name, expr, var in (("a1", cert.a1, X), ("a2", cert.a2, X), ("b", cert.b, Z), ("h", cert.pre, X)):
         if expr.free_symbols - {var}:
-            raise UnsupportedAttention(cert.span, detail=f"{name} uses {expr.free_symbols - {var}}")
-    try:
-        return KernelMaps(*(triton_expr(e) for e in
-                            (cert.a1, cert.a2, d["da1"], d["da2"], cert.b, d["db_over_b"])))
+            extra = ", ".join(sorted(map(str, expr.free_symbols - {var})))
+            raise UnsupportedAttention(cert.span, detail=f"{name} = {expr} reads {extra} (an axis size or a scalar "
+                                       "input), which the kernels' maps cannot take: they are compiled before the "
+                                       "call's sizes and scalars are known",
+                                       hint="fix that axis's size in the spec, or move the factor into the score's "
+                                       "scale")
+    try:  # printed so that no exponential overflows where the map's value is finite (ncd/stable_exp.py)
+        maps = [stable_triton_expr(e, v) for e, v in ((cert.a1, X), (cert.a2, X), (d["da1"], X), (d["da2"], X),
+                                                       (cert.b, Z), (d["db_over_b"], Z))]
+        if cert.pre != X:
+            maps += [stable_triton_expr(cert.pre, X), stable_triton_expr(d["dpre"], X)]
+        return KernelMaps(*maps)
     except ValueError as err:
         raise UnsupportedAttention(cert.span, detail=f"cannot lower to Triton: {err}") from None
 
@@ -184,9 +220,11 @@ class AttentionPlan:
         lines = [*self.certificate.describe(), "kernel family: normalized-contraction attention",
                  f"  Q = {r.query}[{' '.join(r.q_axes)}]  K = {r.key}[{' '.join(r.k_axes)}]  "
                  f"V = {r.value}[{' '.join(r.v_axes)}]  -> {r.output}[{' '.join(r.o_axes)}]",
-                 f"  scale: {r.scale}   causal: {r.causal}   per-key weight: {r.weight or 'none'}",
+                 f"  scale: {self.certificate.scale if isinstance(r.scale, str) else r.scale}   causal: {r.causal}   "
+                 f"per-key weight: {r.weight or 'none'}",
                  f"  triton: a1 = {self.maps.a1};  a2 = {self.maps.a2};  b = {self.maps.b}",
                  f"          a1' = {self.maps.da1};  a2' = {self.maps.da2};  b'/b = {self.maps.db_over_b}",
+                 *([f"          pre-map h = {self.maps.pre};  h' = {self.maps.dpre}"] if self.maps.pre else []),
                  "  accumulators: o in registers (fp32), z (and m) per row in registers; no atomics "
                  "(one program owns each query tile; the backward's dK/dV programs own key tiles)",
                  *self._padding(),

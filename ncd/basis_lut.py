@@ -33,6 +33,13 @@ N = sympy.Symbol("n", integer=True, nonnegative=True)  # the step variable
 # weigh the steep ends of the basis more than the max-normalised measure does) stay well under validate's 1e-4.
 ERROR_BUDGET = 2.5e-5
 MAX_ENTRIES = 1 << 16  # per table; a candidate needing more is rejected
+# Size cap on a table, entries x degrees (fp32 cells; the values and the derivatives are one table each): 2^20
+# cells is 4 MiB a table, 8 MiB together, embedded in the generated module and read by every program. It also
+# bounds the search (each measurement evaluates about 5 x entries x degrees points), so that a high degree
+# cannot hang the compile: above the cap the plan uses the exact recurrence (`basis_eval=recurrence`): for
+# Chebyshev at the default budget, 55 degrees (P_0..P_54) take 15,116 entries and 58 or more get the recurrence;
+# degree 1000 compiled in 7 s (CPU, 2026-11-25) where the uncapped search ran for minutes.
+MAX_TABLE_CELLS = 1 << 20
 
 
 def _term(j: int) -> sympy.Symbol:
@@ -228,15 +235,18 @@ def _measure(rec: Recurrence, param: Parameterisation, entries: int, degrees: in
 
 def size_for(rec: Recurrence, param: Parameterisation, degrees: int, budget: float) -> int | None:
     """The fewest entries whose measured error (values and derivatives) meets the budget; None above
-    MAX_ENTRIES. Doubling, then bisection (the error falls like 1/entries^2)."""
+    MAX_ENTRIES or MAX_TABLE_CELLS. Doubling, then bisection (the error falls like 1/entries^2)."""
     def ok(entries: int) -> bool:
         return max(_measure(rec, param, entries, degrees)) <= budget
 
+    limit = min(MAX_ENTRIES, MAX_TABLE_CELLS // max(1, degrees))
+    if limit < 32:
+        return None
     hi = 32
     while not ok(hi):
-        if hi >= MAX_ENTRIES:
+        if hi >= limit:
             return None
-        hi = min(hi * 2, MAX_ENTRIES)
+        hi = min(hi * 2, limit)
     lo = hi // 2
     if lo < 2 or ok(lo):
         return hi if lo < 2 else lo

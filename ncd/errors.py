@@ -9,7 +9,32 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import ClassVar
 
+from .limits import QUOTE_WIDTH, shorten
 from .source import Source, Span
+
+
+def _printable(text: str) -> str:
+    """Control and other unprintable characters shown as U+FFFD (one column each, so the caret stays aligned):
+    a spec's bytes never reach the terminal as escape sequences."""
+    return "".join(c if c.isprintable() or c == "\t" else "\ufffd" for c in text)
+
+
+def _quote(text: str, span: Span) -> list[str]:
+    """The source line and a caret under the span; a line longer than QUOTE_WIDTH is quoted as a window of that
+    many characters around the column, '...' marking what is left out."""
+    col = max(1, span.col)
+    width = span.end_col - span.col if span.end_line == span.line else 1
+    start = 0
+    if len(text) > QUOTE_WIDTH:
+        start = max(0, min(col - 1 - QUOTE_WIDTH // 3, len(text) - QUOTE_WIDTH))
+    window = text[start:start + QUOTE_WIDTH]
+    before = "... " if start > 0 else ""
+    after = " ..." if start + QUOTE_WIDTH < len(text) else ""
+    offset = col - 1 - start
+    width = max(1, min(width, len(window) - offset))
+    # a tab before the column is echoed under it, so the caret lines up in a terminal
+    pad = " " * len(before) + "".join(c if c == "\t" else " " for c in window[:offset])
+    return [f"    {before}{_printable(window)}{after}", "    " + pad + "^" * width]
 
 
 class NcdError(Exception):
@@ -36,15 +61,11 @@ class NcdError(Exception):
 
     def render(self) -> str:
         head = f"{self.span}: " if self.span else ""
-        out = [f"{head}{self.severity}[{self.code}]: {self.message}"]
+        out = [f"{head}{self.severity}[{self.code}]: {shorten(self.message)}"]
         if self.span and self.source is not None and self.span.line > 0:
-            text = self.source.line(self.span.line)
-            out.append(f"    {text}")
-            width = self.span.end_col - self.span.col if self.span.end_line == self.span.line else 1
-            width = max(1, min(width, len(text) - self.span.col + 1))
-            out.append("    " + " " * (self.span.col - 1) + "^" * width)
+            out += _quote(self.source.line(self.span.line), self.span)
         if self.hint:
-            out.append(f"  = help: {self.hint}")
+            out.append(f"  = help: {shorten(self.hint)}")
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -179,6 +200,19 @@ class CallError(NcdError):
 
     code = "call"
     template = "{detail}"
+
+
+class LimitExceeded(NcdError):
+    """A spec beyond one of the compiler's limits (ncd/limits.py, docs/language.md "Limits")."""
+
+    code = "limit"
+    template = "{detail}"
+
+
+class NestingTooDeep(NcdError):
+    code = "nesting"
+    template = "{detail}"
+    hint_template = "split the expression into named definitions (docs/language.md, \"Limits\")"
 
 
 class Warning_(NcdError):

@@ -19,25 +19,23 @@ output is fp32.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from .cache import store_spec
+from .errors import CallError
+from .kat_init import DEFAULT_MODE, KAT_INIT
 from .ops import Op
 from .ops import load as _load
-from .settings import settings
 
 FORMS = ("kat", "paper")
 
-# Init presets of KAT's KAT_Group (version A, m = 5, n = 4), from the KAT reference's init file as quoted in
-# the project's anchors (shared/anchors.md, "Group-rational activation"). "gelu" is derived here: see
-# GELU_PRESET below.
-PRESETS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
-    "identity": ((0.0, 1.0, 0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0, 0.0)),
-    "swish": ((3.054879741161051e-07, 0.5000007853744493, 0.24999783422824703, 0.05326628273219478,
-               0.005803034571292244, 0.0002751961022402342),
-              (-4.111554955950634e-06, 0.10652899335007572, -1.2690007399796238e-06, 0.0005502331264140556)),
-}
+# KAT_Group's init modes (version A, m = 5, n = 4): KAT's own numbers (ncd/kat_init.py cites the source), so
+# that KATGroup(mode=...) starts from exactly the function KAT_Group(mode=...) starts from.
+PRESETS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = dict(KAT_INIT)
+KAT_DEVICES = ("cuda", "cpu")
 
 
 def spec_text(num_groups: int, num_degree: int = 5, den_degree: int = 4, form: str = "kat",
@@ -79,13 +77,8 @@ def compile_activation(text: str, cache_dir: str | Path | None = None) -> Op:
     """Compile a spec given as text (written under the cache directory, then `ncd.load`)."""
     key = f"{cache_dir}\0{text}"
     if key not in _OPS:
-        directory = Path(cache_dir) if cache_dir is not None else settings().cache_dir
-        specs = directory / "specs"
-        specs.mkdir(parents=True, exist_ok=True)
         name = next(line.split()[1] for line in text.splitlines() if line.startswith("spec "))
-        path = specs / f"{name}.ncd"
-        if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            path.write_text(text, encoding="utf-8")
+        path = store_spec(text, name, cache_dir)  # checked like the cache; never written through a planted link
         _OPS[key] = _load(path, cache_dir)
     return _OPS[key]
 
@@ -99,6 +92,9 @@ class GroupRational(nn.Module):
     `upcast_under_autocast=False`) a bf16 input is upcast in registers: it stays bf16 in memory (read and written
     as bf16, computed in fp32) and the output has the input's dtype, which saves two casts and half the
     activation's bytes; `upcast_under_autocast=True` casts the input to fp32 in memory as KAT does (fp32 output).
+
+    Picklable (copy.deepcopy, pickle, torch.save of a whole model): the compiled op is not part of the pickled
+    state; unpickling compiles the module's spec text again (served from the cache when unchanged).
     """
 
     def __init__(self, num_groups: int = 8, num_degree: int = 5, den_degree: int = 4, form: str = "kat",
@@ -111,8 +107,9 @@ class GroupRational(nn.Module):
         self.form = form
         self.shared_numerator = shared_numerator
         self.accumulate = accumulate
-        self.op = compile_activation(spec_text(num_groups, num_degree, den_degree, form, shared_numerator),
-                                     cache_dir)
+        self._spec_text = spec_text(num_groups, num_degree, den_degree, form, shared_numerator)
+        self._cache_dir = None if cache_dir is None else str(cache_dir)
+        self.op = compile_activation(self._spec_text, self._cache_dir)
         rows = 1 if shared_numerator else num_groups
         numerator = torch.zeros(rows, num_degree + 1)
         if num_degree >= 1:
@@ -120,7 +117,19 @@ class GroupRational(nn.Module):
         self.weight_numerator = nn.Parameter(numerator)
         self.weight_denominator = nn.Parameter(torch.zeros(num_groups, den_degree))
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("op", None)  # holds the generated module (not picklable); rebuilt from _spec_text
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.op = compile_activation(self._spec_text, self._cache_dir)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            raise CallError(None, detail=f"{type(self).__name__}: x must be a tensor [..., channels] with at least "
+                            f"one dim, got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         a = self.weight_numerator.view(-1) if self.shared_numerator else self.weight_numerator
@@ -136,64 +145,52 @@ class GroupRational(nn.Module):
 
 
 class KATGroup(GroupRational):
-    """Drop-in for KAT's `KAT_Group(num_groups=8, mode="swish")`: version-A rational of orders (5, 4), one
-    numerator row shared by the groups (`weight_numerator [1, 6]`), `weight_denominator [G, 4]`; a KAT
-    state_dict loads unchanged. Modes: "identity", "swish", "gelu" (see `GELU_PRESET`). Under autocast the
-    input is upcast in registers by default (output in the input's dtype); `upcast_under_autocast=True` upcasts
-    in memory and returns fp32, as KAT_Group does (see the module docstring)."""
+    """Drop-in for KAT's `KAT_Group(num_groups=8, mode="gelu", device="cuda")`, with its positional order:
+    version-A rational of orders (5, 4), Q = 1 + sum_j |b_j| |x|^j, one numerator row shared by the groups
+    (`weight_numerator [1, 6]`), `weight_denominator [G, 4]`; a KAT state_dict loads unchanged.
 
-    def __init__(self, num_groups: int = 8, mode: str = "swish", accumulate: str | None = None,
-                 cache_dir: str | Path | None = None, upcast_under_autocast: bool = False) -> None:
+    `mode`: any of KAT's init modes (`KAT_MODES`: identity, leaky_relu, tanh, sigmoid, relu, gelu_old, gelu,
+    swish, geglu, swishglu, leaky_relu_0.1, erfc_Softplus_2), with KAT's coefficients (ncd/kat_init.py); the
+    default is KAT's, "gelu". As in KAT, a mode names the starting coefficients, not a promise about the
+    function: KAT's "gelu" numbers under this (version-A) denominator differ from GELU by up to 1.46 on
+    [-3, 3] (they fit 1 + |sum_j b_j x^j|), and KATGroup reproduces KAT_Group's function, not GELU's.
+    `device` ("cuda" or "cpu", as KAT checks it) picks KAT's implementation there; here the kernels run on the
+    input's device, so it is only validated (parameters are created on the CPU, as KAT_Group creates them).
+    Keyword-only extras: `accumulate`, `cache_dir`, `upcast_under_autocast`. Under autocast the input is upcast
+    in registers by default (output in the input's dtype); `upcast_under_autocast=True` upcasts in memory and
+    returns fp32, as KAT_Group does (see the module docstring)."""
+
+    def __init__(self, num_groups: int = 8, mode: str = DEFAULT_MODE, device: str | torch.device = "cuda", *,
+                 accumulate: str | None = None, cache_dir: str | Path | None = None,
+                 upcast_under_autocast: bool = False) -> None:
+        if not isinstance(mode, str) or mode not in PRESETS:
+            raise ValueError(f"KATGroup: mode must be one of KAT's init modes {list(PRESETS)}, got {mode!r}")
+        device_kind = _kat_device(device)
         super().__init__(num_groups, 5, 4, "kat", True, accumulate, cache_dir, upcast_under_autocast)
-        presets = {**PRESETS, "gelu": GELU_PRESET}
-        if mode not in presets:
-            raise ValueError(f"mode must be one of {sorted(presets)}, got {mode!r}")
-        numerator, denominator = presets[mode]
+        self.device_kind = device_kind
+        numerator, denominator = PRESETS[mode]
         with torch.no_grad():
             self.weight_numerator.copy_(torch.tensor(numerator).view(1, -1))
             self.weight_denominator.copy_(torch.tensor(denominator).repeat(num_groups, 1))
         self.mode = mode
 
-
-# GELU preset, derived in this repository (not copied): the swish preset rescaled to x * sigmoid(1.702 x)
-# (a_i <- a_i 1.702^(i-1), b_j <- b_j 1.702^j), then refined by least squares (float64 L-BFGS) against the exact
-# GELU, x * Phi(x), on 2001 points of [-3, 3]. See `fit_gelu_preset` for the procedure; its max abs error on
-# [-3, 3] is quoted in docs/language.md.
-# fit_gelu_preset() gave (2026-11-21, torch 2.13 CPU) a max abs error of 3.8e-3 on [-3, 3]:
-GELU_PRESET: tuple[tuple[float, ...], tuple[float, ...]] = (
-    (-0.0012554585077146692, 0.5065249648818786, 0.4144464268464338, 0.12595547995764142, 0.021481546942360583,
-     0.0023747923350267166),
-    (0.05451668250714437, 0.18548701677855245, 0.030656750065629568, -2.5050285932605596e-06),
-)
+    def extra_repr(self) -> str:
+        return f"num_groups={self.num_groups}, order={self.order}, mode={self.mode!r}"
 
 
-def fit_gelu_preset(steps: int = 400) -> tuple[tuple[float, ...], tuple[float, ...], float]:
-    """Refit the GELU preset (version A, orders (5, 4)) as described at GELU_PRESET; returns (num, den, max error)."""
-    s = 1.702
-    a0, b0 = PRESETS["swish"]
-    a = torch.tensor([c * s ** (i - 1) for i, c in enumerate(a0)], dtype=torch.float64, requires_grad=True)
-    b = torch.tensor([c * s ** (j + 1) for j, c in enumerate(b0)], dtype=torch.float64, requires_grad=True)
-    x = torch.linspace(-3, 3, 2001, dtype=torch.float64)
-    target = 0.5 * x * (1 + torch.erf(x / 2 ** 0.5))
+KAT_MODES = tuple(PRESETS)
 
-    def model() -> torch.Tensor:
-        p = torch.stack([a[i] * x ** i for i in range(6)]).sum(0)
-        q = 1 + torch.stack([b[j].abs() * x.abs() ** (j + 1) for j in range(4)]).sum(0)
-        return p / q
 
-    opt = torch.optim.LBFGS([a, b], max_iter=steps, tolerance_grad=1e-14, tolerance_change=1e-16,
-                            line_search_fn="strong_wolfe")
+def _kat_device(device: object) -> str:
+    """KAT_Group's `device` argument: "cuda" or "cpu" (a torch.device of either type is accepted too)."""
+    if isinstance(device, torch.device) and device.type in KAT_DEVICES:
+        return device.type
+    if isinstance(device, str) and device in KAT_DEVICES:
+        return device
+    raise ValueError(f"KATGroup: device must be one of {list(KAT_DEVICES)} (KAT_Group's third argument, after "
+                     f"num_groups and mode), got {device!r}; pass accumulate=, cache_dir= and "
+                     "upcast_under_autocast= by keyword")
 
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = ((model() - target) ** 2).mean()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    with torch.no_grad():
-        err = float((model() - target).abs().max())
-    return tuple(float(v) for v in a.detach()), tuple(float(v) for v in b.detach()), err
 
 # Polynomial KAN layers (ncd/polykan.py), re-exported so that ncd.kan.ChebyKANLayer / ncd.kan.PolyKANLayer work.
 from .polykan import ChebyKANLayer, PolyKANLayer  # noqa: E402, F401

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import CallError
 from .ops import chunk_gka
 
 
@@ -76,6 +77,12 @@ class GatedKalmaNet(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, initial_state=None,
                 output_final_state: bool = False):
         """x [B, T, hidden] -> [B, T, hidden] (and the final state when asked)."""
+        if not isinstance(x, torch.Tensor):
+            raise CallError(None, detail=f"GatedKalmaNet: x must be a tensor [batch time hidden], got "
+                            f"{type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise CallError(None, detail=f"GatedKalmaNet: x: expected [batch time {self.hidden_size}], got "
+                            f"{list(x.shape)}")
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.convs is not None:

@@ -25,6 +25,7 @@ from .errors import (
     IndexOutOfRange,
     InvalidIdentifier,
     InvalidStatement,
+    LimitExceeded,
     NcdError,
     RankMismatch,
     SizeMismatch,
@@ -36,14 +37,13 @@ from .errors import (
     UnusedInput,
 )
 from .identifiers import check_identifier, identifier_problem
+from .limits import MAX_AXIS_SIZE, MAX_EXPONENT, MAX_POWER_BITS, MAX_SUM_TERMS, symbolic_budget
 from .source import Span
 from .symbolic import to_sympy
 
 STRUCTURAL = ("sum", "max", "min", "where", "size", "normalize", "scan", "chebyshev_solve")
 FUNCTIONS = (*ir.ELEMENTWISE, *STRUCTURAL)
 COMPARISONS = ("<", "<=", ">", ">=", "==", "!=")
-# x^n takes |n| <= _MAX_EXPONENT; a power of a number is computed exactly, so its size is bounded too
-_MAX_EXPONENT, _MAX_POWER_BITS = 1024, 1 << 16
 
 
 @dataclass
@@ -63,7 +63,8 @@ class _Scope:
 
 def lower(module: ast.Module) -> tuple[ir.Program, list[NcdError]]:
     """Type-check a parsed spec. Returns the program and warnings; raises the first error."""
-    return _Lowering(module).run()
+    with symbolic_budget(module.source, "type-checking the spec"):
+        return _Lowering(module).run()
 
 
 class _Lowering:
@@ -159,6 +160,7 @@ class _Lowering:
             if stmt.size < 1:
                 raise SizeMismatch(stmt.span, detail=f"axis '{name}' must have a positive size, not {stmt.size}")
             axis = ir.Axis(name, sympy.Integer(stmt.size), span=stmt.span)
+            _check_axis_size(axis)
         else:
             parts = []
             for factor in stmt.factors:
@@ -177,6 +179,7 @@ class _Lowering:
                     raise InvalidStatement(stmt.span, detail=f"split axis '{name}' repeats a factor")
                 axis = ir.Axis(name, sympy.Mul(*[p.size for p in parts]), tuple(p.name for p in parts),
                                span=stmt.span)
+                _check_axis_size(axis)
         self.axes[name] = axis
         return axis
 
@@ -532,19 +535,19 @@ class _ExprLowering:
                      and self.scope.variables.get(n.name) is None and n.name != self.scope.step_var]
         try:
             raw = to_sympy(exponent, self.o.axes)
-            value = None if raw.is_number and abs(raw) > _MAX_EXPONENT else sympy.nsimplify(raw)
+            value = None if raw.is_number and abs(raw) > MAX_EXPONENT else sympy.nsimplify(raw)
         except TypeError:
             value = None
         if value is None or real_vars or exponent.axes or not value.is_integer:
             raise TypeMismatch(e.rhs.span, detail="a power's exponent must be an integer known at compile time",
-                               hint=f"use an integer of at most {_MAX_EXPONENT} in size, a constant or a sum "
+                               hint=f"use an integer of at most {MAX_EXPONENT} in size, a constant or a sum "
                                     "index; exp(y * log(x)) for others")
         try:
             number = to_sympy(base, self.o.axes)
         except TypeError:
             number = None
         if (isinstance(number, sympy.Rational) and value.is_Integer and number not in (0, 1, -1)
-                and abs(int(value)) * (number.p.bit_length() + number.q.bit_length()) > _MAX_POWER_BITS):
+                and abs(int(value)) * (number.p.bit_length() + number.q.bit_length()) > MAX_POWER_BITS):
             raise TypeMismatch(e.span, detail="this power of a number is too large to compute")
         return ir.Pow(base, value, base.axes, e.span)
 
@@ -646,6 +649,11 @@ class _ExprLowering:
             lo, hi = self._bound(comp.range.lo), self._bound(comp.range.hi)
             if hi < lo:
                 raise BadArgument(comp.range.span, name="sum", detail=f"empty range {lo}..{hi}")
+        terms = (hi - lo + 1) * math.prod(b - a + 1 for a, b in filter(None, self.scope.variables.values()))
+        if terms > MAX_SUM_TERMS:
+            raise LimitExceeded(comp.range.span, detail=f"this sum has {terms} terms (nested sums multiplied); the "
+                                f"compiler unrolls sums of at most {MAX_SUM_TERMS}",
+                                hint="sum over an axis with sum(x, over AXIS), or contract with `. over`")
         scope = self.scope.child()
         scope.variables[var.name] = (lo, hi)
         body = self._numeric(self.sub(comp.body, scope))
@@ -794,6 +802,14 @@ class _CallArgs:
                     raise BadArgument(arg.span, name=name, detail=f"unexpected argument '{key}' (accepted: {what})")
         if self.comprehension is not None and not comprehension:
             raise BadArgument(self.comprehension.span, name=name, detail="takes no `for` clause")
+
+
+def _check_axis_size(axis: ir.Axis) -> None:
+    if axis.fixed is not None and axis.fixed > MAX_AXIS_SIZE:
+        size = axis.fixed if axis.fixed < 10**30 else f"10^{len(str(axis.fixed)) - 1} or more"
+        raise LimitExceeded(axis.span, detail=f"axis '{axis.name}' has size {size}, more than the "
+                            f"{MAX_AXIS_SIZE} (2^31 - 1) the compiler allows",
+                            hint="kernels index with 32-bit integers; declare a smaller size")
 
 
 def _is_boolean(node: ir.Node) -> bool:

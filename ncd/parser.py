@@ -14,8 +14,9 @@ from lark import Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from . import ast
-from .errors import NcdError, SpecSyntaxError
+from .errors import NcdError, NestingTooDeep, SpecSyntaxError
 from .grammar import grammar_text
+from .limits import MAX_INTEGER_DIGITS, MAX_NESTING, shorten
 from .source import Source, Span
 
 
@@ -86,7 +87,7 @@ def _token_text(tok: Token, source: Source) -> str:
         return "end of file"
     if tok.type == "_NL":
         return "end of line"
-    return f"'{tok.value}'"
+    return f"'{shorten(str(tok.value), 40)}'"
 
 
 def _syntax_error(err: UnexpectedInput, source: Source) -> SpecSyntaxError:
@@ -95,8 +96,7 @@ def _syntax_error(err: UnexpectedInput, source: Source) -> SpecSyntaxError:
     if isinstance(err, UnexpectedToken):
         tok = err.token
         if tok.type == "$END" or tok.line is None:
-            lines = source.text.splitlines() or [""]
-            line, col = len(lines), len(lines[-1]) + 1
+            line, col = _end_of(source)
         else:
             line, col = tok.line, tok.column
         width = max(1, len(str(tok.value))) if tok.type not in ("_NL", "$END") else 1
@@ -109,8 +109,7 @@ def _syntax_error(err: UnexpectedInput, source: Source) -> SpecSyntaxError:
         if err.allowed:
             detail += f"; expected {_describe_expected(set(err.allowed))}"
     elif isinstance(err, UnexpectedEOF):
-        lines = source.text.splitlines() or [""]
-        line, col, width = len(lines), len(lines[-1]) + 1, 1
+        (line, col), width = _end_of(source), 1
         detail = f"unexpected end of file; expected {_describe_expected(set(err.expected))}"
     else:  # pragma: no cover - lark has no other UnexpectedInput subclasses
         width, detail = 1, str(err)
@@ -118,13 +117,69 @@ def _syntax_error(err: UnexpectedInput, source: Source) -> SpecSyntaxError:
     return SpecSyntaxError(span, detail=detail, hint="see docs/language.md for the statement forms")
 
 
+def _end_of(source: Source) -> tuple[int, int]:
+    """Line and column just after the text's last line (where 'end of file' is reported)."""
+    lines = source.lines()
+    if len(lines) > 1 and not lines[-1]:  # the text's final line end opens no line of its own
+        lines.pop()
+    return len(lines), len(lines[-1]) + 1
+
+
+def normalise_line_ends(text: str) -> str:
+    """\\r\\n and a lone \\r end a line as \\n does (a file saved with old Mac line ends is not one long comment)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _tree_depth_first(tree: lark.Tree, limit: int) -> lark.Tree | None:
+    """The first node (in source order) nested deeper than `limit`, found without recursion."""
+    stack: list[tuple[lark.Tree, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return node
+        stack.extend((child, depth + 1) for child in reversed(node.children) if isinstance(child, lark.Tree))
+    return None
+
+
+def _deepest(tree: lark.Tree) -> lark.Tree:
+    deepest, best = tree, -1
+    stack: list[tuple[lark.Tree, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > best and getattr(node.meta, "line", None) is not None:
+            deepest, best = node, depth
+        stack.extend((child, depth + 1) for child in node.children if isinstance(child, lark.Tree))
+    return deepest
+
+
+def _node_span(node: lark.Tree, filename: str) -> Span:
+    meta = node.meta
+    line, col = getattr(meta, "line", 1), getattr(meta, "column", 1)
+    end_line, end_col = getattr(meta, "end_line", line), getattr(meta, "end_column", col + 1)
+    return Span(filename, line, col, end_line, end_col)
+
+
+def deepest_span(source: Source) -> Span | None:
+    """The most deeply nested construct of a spec that parses (where a later stage's RecursionError or time-out
+    is reported), found without recursion; None when the text does not parse."""
+    try:
+        tree = _parser().parse(normalise_line_ends(source.text))
+    except (UnexpectedInput, RecursionError):
+        return None
+    return _node_span(_deepest(tree), source.filename)
+
+
 def parse(text: str, filename: str = "<string>") -> ast.Module:
     """Parse spec text into an AST, raising `SpecSyntaxError` with a location on malformed input."""
-    source = Source(text, filename)
+    source = Source(normalise_line_ends(text), filename)
     try:
-        tree = _parser().parse(text)
+        tree = _parser().parse(source.text)
     except UnexpectedInput as err:
         raise _syntax_error(err, source).with_source(source) from None
+    too_deep = _tree_depth_first(tree, MAX_NESTING)
+    if too_deep is not None:
+        raise NestingTooDeep(_node_span(too_deep, source.filename), detail=f"this expression nests more than "
+                             f"{MAX_NESTING} levels deep (the compiler's limit)").with_source(source)
     try:
         statements = flatten_statements(_ToAst(source).transform(tree))
     except VisitError as err:
@@ -134,7 +189,6 @@ def parse(text: str, filename: str = "<string>") -> ast.Module:
     return ast.Module(tuple(statements), source)
 
 
-_MAX_DIGITS = 1000
 _FUNC_HEAD = re.compile(r"([A-Za-z_][A-Za-z_0-9]*)[ \t]*\([ \t]*([A-Za-z_][A-Za-z_0-9]*)")
 
 
@@ -156,9 +210,9 @@ class _ToAst(Transformer[Any, Any]):
     def _int(self, tok: Token) -> int:
         # Python refuses to convert integers of more than a few thousand digits; no spec needs one.
         digits = len(str(tok))
-        if digits > _MAX_DIGITS:
+        if digits > MAX_INTEGER_DIGITS:
             raise SpecSyntaxError(self._tok(tok), detail=f"an integer literal of {digits} digits is too long",
-                                  hint=f"integer literals have at most {_MAX_DIGITS} digits")
+                                  hint=f"integer literals have at most {MAX_INTEGER_DIGITS} digits")
         return int(tok)
 
     # statements

@@ -27,7 +27,7 @@ from torch import nn
 
 from . import ir
 from .basis_lut import ERROR_BUDGET, Choice, Recurrence, Table, choose_table
-from .errors import NcdError
+from .errors import CallError, NcdError
 from .pipeline import FrontEnd
 from .symbolic import SYMPY_FUNCTIONS, to_sympy, triton_expr
 
@@ -507,16 +507,23 @@ class PolyKANLayer(nn.Module):
     """y[b, o] = sum_i sum_d C[i, o, d] P_d(tanh x[b, i]) for P in {chebyshev, legendre, hermite}, compiled from
     the shipped spec. The coefficients have the public shape [input_dim, output_dim, degree + 1].
 
-    layout="kernel" (default) stores them in the kernel's layout [degree + 1, input_dim, output_dim] and exposes
-    the parameter as a permuted view with the public shape: state_dict, load_state_dict, optimizers and
-    `.to()` see the ChebyKAN shape, and the op reads the storage with no copy. layout="spec" stores them
-    contiguous [in, out, degree + 1]; the op then reorders them on every call (one copy forward, one for the
-    gradient) — the cost is measured in bench/polykan.py."""
+    layout="spec" (default) stores them contiguous [in, out, degree + 1], as ChebyKAN does: every parameter is
+    contiguous (torch.nn.utils.parameters_to_vector, flat optimizers and flat checkpoints work); the op reorders
+    them to its kernel layout on every call (one copy forward, one for the gradient; measured in
+    bench/polykan.py). layout="kernel" stores them in the kernel's layout [degree + 1, input_dim, output_dim]
+    and exposes the parameter as a permuted view with the public shape, which the op reads with no copy; that
+    parameter is not contiguous, so code that views parameters flat (parameters_to_vector) fails on it.
+
+    Inputs: [..., input_dim]; leading dims are flattened into the batch. A last dim other than input_dim is a
+    CallError (ChebyKAN's reshape(-1, input_dim) would silently regroup the elements into other rows).
+
+    Picklable (copy.deepcopy, pickle, torch.save of a whole model): the compiled op is not part of the pickled
+    state; unpickling loads it again from the shipped spec (served from the cache)."""
 
     _coeffs_name = "coeffs"
 
     def __init__(self, input_dim: int, output_dim: int, degree: int, basis: str = "chebyshev", *,
-                 basis_eval: str = "lut", layout: str = "kernel", cache_dir: str | Path | None = None) -> None:
+                 basis_eval: str = "lut", layout: str = "spec", cache_dir: str | Path | None = None) -> None:
         super().__init__()
         if layout not in ("kernel", "spec"):
             raise ValueError(f"layout must be 'kernel' or 'spec', got {layout!r}")
@@ -525,8 +532,9 @@ class PolyKANLayer(nn.Module):
         self.degree = degree
         self.basis = basis
         self.layout = layout
-        self._op = basis_op(basis, degree, basis_eval, cache_dir)
-        self._fn = self._op.fn  # the generated op function (no Op.__call__ hop per step)
+        self.basis_eval = basis_eval
+        self._cache_dir = None if cache_dir is None else str(cache_dir)
+        self._attach_op()
         if layout == "kernel":
             storage = torch.empty(degree + 1, input_dim, output_dim)
             coeffs = nn.Parameter(storage.permute(1, 2, 0))
@@ -535,14 +543,41 @@ class PolyKANLayer(nn.Module):
         nn.init.normal_(coeffs, mean=0.0, std=1 / (input_dim * (degree + 1)))
         self.register_parameter(self._coeffs_name, coeffs)
 
+    def _attach_op(self) -> None:
+        self._op = basis_op(self.basis, self.degree, self.basis_eval, self._cache_dir)
+        self._fn = self._op.fn  # the generated op function (no Op.__call__ hop per step)
+        program = self._op.front.program
+        self._x_name = program.inputs[0].name
+        self._inp_axis = program.inputs[0].axes[-1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in ("_op", "_fn"):  # the generated module and its function: not picklable, rebuilt on load
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._attach_op()
+
     @property
     def coefficients(self) -> torch.Tensor:
         return getattr(self, self._coeffs_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.inputdim:
-            x = torch.reshape(x, (-1, self.inputdim))  # leading dims flattened, as ChebyKAN does
+        if x.dim() != 2:
+            if x.dim() == 0 or x.shape[-1] != self.inputdim:
+                raise self._width_error(x)
+            x = torch.reshape(x, (-1, self.inputdim))  # leading dims flattened into the batch
+        elif x.shape[1] != self.inputdim:
+            raise self._width_error(x)
         return self._fn(x, self._parameters[self._coeffs_name])  # [batch, output_dim] already
+
+    def _width_error(self, x: torch.Tensor) -> CallError:
+        last = f"has size {x.shape[-1]}" if x.dim() else "is missing (a 0-dim tensor)"
+        return CallError(None, detail=f"{type(self).__name__}: {self._x_name}: axis '{self._inp_axis}' (the last "
+                         f"dim of shape {list(x.shape)}) {last}, but this layer has input_dim {self.inputdim}; "
+                         "inputs are [..., input_dim] (leading dims are flattened into the batch)")
 
     def extra_repr(self) -> str:
         return (f"input_dim={self.inputdim}, output_dim={self.outdim}, degree={self.degree}, basis={self.basis!r}, "

@@ -30,7 +30,7 @@ import sympy
 from . import ir
 from .errors import NcdError
 from .pipeline import FrontEnd
-from .source import Span
+from .source import Span, origin_name
 from .symbolic import SYMPY_FUNCTIONS, AbsPlus, SignPlus, triton_expr
 
 
@@ -729,4 +729,4 @@ def plan_rational(front: FrontEnd, bindings: dict[str, int]) -> RationalPlan | N
         sizes[roles.width] = max(1, chan // sizes[roles.group])
     shown = {roles.row: sizes[roles.row], roles.group: sizes[roles.group], roles.width: sizes[roles.width]}
     return RationalPlan(roles, tuple(layouts.values()), tuple(coefficients), derivation, shown,
-                        out_def.span, program.source.filename.rsplit("/", 1)[-1])
+                        out_def.span, origin_name(program.source.filename))

@@ -25,6 +25,7 @@ import sympy
 from . import ir
 from .errors import NcdError
 from .pipeline import FrontEnd
+from .source import origin_name
 from .symbolic import SYMPY_FUNCTIONS
 
 
@@ -67,6 +68,7 @@ class RecurrencePlan:
     value_scale: sympy.Expr
     rho: sympy.Expr  # in RIDGE
     origins: dict[str, str] = field(compare=False)
+    output_factor: float = 1.0  # constant factors of the output beside the scale input (the op multiplies them in)
     family = "recurrence"
 
     @property
@@ -78,7 +80,9 @@ class RecurrencePlan:
         return [
             "kernel family: gated outer-product recurrence with a ridge solve (Gated KalmaNet)",
             f"  roles: queries {r.q}, keys {r.k}, values {r.v}, log gate {r.g}, scaling {r.beta or '-'}, "
-            f"alpha {r.alpha or '-'}, scale {r.scale or '1'}; scan over '{r.time}', per ({r.batch}, {r.head})",
+            f"alpha {r.alpha or '-'}, scale {r.scale or '1'}"
+            f"{f' times {self.output_factor:g}' if self.output_factor != 1.0 else ''}; scan over '{r.time}', "
+            f"per ({r.batch}, {r.head})",
             f"  states: {r.H}[{r.kdim} {r.kcol}] = sum_s exp(G_t - G_s) kb_s kb_s^T  ({self.origins['H']}),  "
             f"{r.U}[{r.vdim} {r.kdim}] = sum_s exp(G_t - G_s) vb_s kb_s^T  ({self.origins['U']})",
             f"  scalings: kb = {r.k} * ({self.key_scale}),  vb = {r.v} * ({self.value_scale})  [bt = {r.beta}]",
@@ -134,19 +138,31 @@ class RecurrencePlan:
                 out[optional] = torch.sigmoid(inputs[optional].float()).to(inputs[optional].dtype)
         return out
 
-    # The default products carry a 10-bit mantissa (scaled fp16 in the solve), and the solve's sensitivity to that
-    # rounding is about 2^-11 / ridge (kappa <= 1 + 1 / ridge), reached on a sequence's first tokens.
+    # 16-bit inputs (and NCD_GKA_DOT_PRECISION fp16, bf16 or tf32) multiply 10-bit-mantissa operands (scaled
+    # fp16 in the solve), and the solve's sensitivity to that rounding is about 2^-11 / ridge (kappa <= 1 + 1 /
+    # ridge), reached on a sequence's first tokens. fp32 inputs get fp32-class products (3xTF32) by default: their
+    # error is the fp32 rounding's, 2^-24 / ridge, with a margin (measured per token on the interpreter: o 2e-5,
+    # gradients up to 2.3e-4 for dg, whose reverse sum cancels).
     @property
     def output_tolerance(self) -> dict[str, float]:
         bound = 2.0 ** -11 / self.ridge
-        return {"float32": bound, "bfloat16": max(1e-2, bound), "float16": max(5e-3, bound)}
+        fp32 = 2.0 ** -20 / self.ridge if _fp32_products() else bound
+        return {"float32": fp32, "bfloat16": max(1e-2, bound), "float16": max(5e-3, bound)}
 
     # the gradients combine two solves' rounding (x and the adjoint z), hence twice the output's bound (`ncd
     # check`'s reference differentiates the solve implicitly too, so the iteration's convergence is not in it)
     @property
     def gradient_tolerance(self) -> dict[str, float]:
         bound = 2.0 ** -10 / self.ridge
-        return {"float32": max(2e-2, bound), "bfloat16": max(3e-2, bound), "float16": max(3e-2, bound)}
+        fp32 = 1e-3 if _fp32_products() else max(2e-2, bound)
+        return {"float32": fp32, "bfloat16": max(3e-2, bound), "float16": max(3e-2, bound)}
+
+
+def _fp32_products() -> bool:
+    """Whether fp32 inputs run fp32-class products (the default, or NCD_GKA_DOT_PRECISION tf32x3 / ieee)."""
+    from .settings import settings
+
+    return settings().gka_dot_precision in (None, "tf32x3", "ieee")
 
 
 # --- recognition --------------------------------------------------------------------------------------------
@@ -171,7 +187,8 @@ class _Recognizer:
     def __init__(self, program: ir.Program) -> None:
         self.program = program
         self.lets = {d.tensor: d for d in program.definitions}
-        self.file = program.source.filename.rsplit("/", 1)[-1]
+        self.file = origin_name(program.source.filename)
+        self.claimed: list[str] = []  # the definitions the plan computes (every load in them is checked)
 
     def origin(self, name: str) -> str:
         return f"{self.file}:{self.lets[name].span.line}"
@@ -191,11 +208,7 @@ class _Recognizer:
         if len(outputs) != 1:
             raise _fail(outputs[-1].span if outputs else None, "the recurrence family compiles one output")
         out = outputs[0].name
-        value = self.lets[out].value
-        scale: str | None = None
-        if isinstance(value, ir.Binary) and value.op == "*":
-            scalar, value = (value.lhs, value.rhs) if not value.lhs.axes else (value.rhs, value.lhs)
-            scale = self.input_of(scalar, "the output's scale factor")
+        value, scale, output_factor = self.output_factors(self.lets[out].value)
         if not (isinstance(value, ir.Contract) and len(value.over) == 1):
             raise _fail(value, "expected the output to be `scale * (U . qa over kdim)`: a state read by a vector")
         sides = [value.lhs, value.rhs]
@@ -220,24 +233,60 @@ class _Recognizer:
         if not (kb1.tensor == kb2.tensor == kb3.tensor):
             raise _fail(h_scan, f"expected {h_name} = scan(exp(g) * prev + kb * kb[...]) and {u_name} = "
                         "scan(exp(g) * prev + vb * kb) with the same kb")
+        self.claimed = [n for n in (qa_name, x_name, h_name, u_name, lam_name, norm_name, kb1.tensor, vb.tensor)
+                        if n in self.lets]
         k_name, beta1, key_scale = self.scaled_input(kb1.tensor)
         v_name, beta2, value_scale = self.scaled_input(vb.tensor)
         beta: str | None = beta1 or beta2
         if beta1 and beta2 and beta1 != beta2:
             raise _fail(self.lets[vb.tensor], f"keys and values must be scaled by one input; got {beta1}, {beta2}")
 
-        q_axes = self.program.tensor(q_name).axes
+        q_decl = self.program.tensor(q_name)
+        q_axes = q_decl.axes
         if len(q_axes) != 4 or q_axes[3] != kdim:
-            raise _fail(self.program.tensor(q_name).span, f"declare {q_name} as [batch time head {kdim}]")
+            raise _fail(q_decl.span, f"declare {q_name} as [batch time head {kdim}] (fla's layout)")
+        if h_scan.over != u_scan.over:
+            raise _fail(u_scan, f"the two scans must run over one axis; {h_name} scans '{h_scan.over}', "
+                        f"{u_name} scans '{u_scan.over}'")
+        scan_axis = h_scan.over
+        if scan_axis not in q_axes[:3]:
+            raise _fail(h_scan, f"the scans run over '{scan_axis}', which {q_name} does not carry: expected "
+                        f"{q_name}[batch {scan_axis} head {kdim}]")
+        if q_axes[1] != scan_axis:
+            layout = " ".join(q_axes)
+            head_first = " (head-first)" if q_axes.index(scan_axis) == 2 else ""
+            raise _fail(q_decl.span, f"{q_name} is declared [{layout}]{head_first}, but the recurrence family "
+                        f"takes fla's layout [batch time head dim], the scanned axis '{scan_axis}' second",
+                        hint=f"declare the inputs as [{q_axes[0] if q_axes[0] != scan_axis else q_axes[1]} "
+                        f"{scan_axis} {q_axes[2] if q_axes[2] != scan_axis else q_axes[1]} dim]")
         batch, time, head = q_axes[:3]
-        if h_scan.over != time or u_scan.over != time:
-            raise _fail(h_scan, f"the scans must run over '{time}', the second axis of {q_name}")
         kcol = solve.over
-        vdim = next(a for a in self.program.tensor(u_name).axes if a not in (batch, time, head, kdim))
+        vdim = next((a for a in self.program.tensor(u_name).axes if a not in (batch, time, head, kdim)), None)
+        if vdim is None:
+            raise _fail(self.lets[u_name], f"expected {u_name}[{batch} {time} {head} vdim {kdim}]: the values' "
+                        "axis is missing")
         for name, axes in ((k_name, (batch, time, head, kdim)), (v_name, (batch, time, head, vdim)),
                            (g_h, (batch, time, head)), (beta, (batch, time, head)), (alpha, (batch, time, head))):
             if name is not None and self.program.tensor(name).axes != axes:
                 raise _fail(self.program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (fla layout)")
+        roles_by_name: dict[str, str] = {}
+        for role, name in (("queries", q_name), ("keys", k_name), ("values", v_name), ("log gate", g_h),
+                           ("scaling", beta), ("alpha", alpha), ("scale", scale)):
+            if name is not None and roles_by_name.setdefault(name, role) != role:
+                raise _fail(self.program.tensor(name).span, f"{name} serves as both the {roles_by_name[name]} "
+                            f"and the {role} of the recurrence; each role needs an input of its own")
+        for t in self.program.inputs:
+            if t.name not in roles_by_name:
+                raise _fail(t.span, f"{t.name} has no role in the recurrence (queries, keys, values, log gate, "
+                            "scaling, alpha, scale): the family would ignore it")
+        if self.program.params:
+            param = self.program.params[0]
+            raise _fail(param.span, f"the recurrence family takes no parameters; {param.name} would be ignored")
+        self.check_addressing(out, (batch, time, head), {
+            h_name: {(batch, time, head, kdim), (batch, time, head, kcol)},
+            u_name: {(batch, time, head, vdim), (batch, time, head, kdim)}})
+        self.check_state_axes(h_name, h_scan, (batch, time, head), {kdim, kcol})
+        self.check_state_axes(u_name, u_scan, (batch, time, head), {vdim, kdim})
         rho = sympy.simplify(((NORM + RIDGE * NORM) - RIDGE * NORM) / ((NORM + RIDGE * NORM) + RIDGE * NORM))
         if rho.has(NORM):
             raise _fail(solve, "the Chebyshev contraction rate depends on the token; expected mu = lam, "
@@ -250,9 +299,70 @@ class _Recognizer:
                    "output": self.origin(out),
                    "scale": (f"{self.file}:{self.program.tensor(scale).span.line}" if scale else self.origin(out))}
         return RecurrencePlan(roles=roles, ridge=ridge, iterations=solve.iterations, key_scale=key_scale,
-                              value_scale=value_scale, rho=rho, origins=origins)
+                              value_scale=value_scale, rho=rho, origins=origins, output_factor=output_factor)
 
     # -- pieces --
+
+    def output_factors(self, value: ir.Node) -> tuple[ir.Node, str | None, float]:
+        """The output as a product: the state read (a contraction), at most one scalar input (the scale) and
+        constant factors, whose product is returned (honoured by the op, never dropped)."""
+        factors = _product_factors(value)
+        contracts = [f for f in factors if isinstance(f, ir.Contract)]
+        if len(contracts) != 1:
+            raise _fail(value, "expected the output to be `scale * (U . qa over kdim)`: a state read by a vector")
+        scale: str | None = None
+        constant = 1.0
+        for factor in factors:
+            if factor is contracts[0]:
+                continue
+            number = _number(factor)
+            if number is not None:
+                constant *= number
+                continue
+            name = self.input_of(factor, "the output's scale factor")
+            axes = self.program.tensor(name).axes
+            if axes or scale is not None:
+                raise _fail(factor, f"expected one scalar scale input beside the state read; {name} "
+                            + (f"carries axes [{' '.join(axes)}]" if axes else "is a second one"))
+            scale = name
+        if constant == 0.0 or constant != constant:
+            raise _fail(value, f"the output's constant factor is {constant:g}")
+        return contracts[0], scale, constant
+
+    def check_addressing(self, out: str, token_axes: tuple[str, str, str],
+                         update_axes: dict[str, set[tuple[str, ...]]]) -> None:
+        """Every load in the claimed definitions reads one token's row as declared: no index expressions, no
+        relabelled batch, time or head; the two factors of each state update span the state's two axes."""
+        claimed = [out, *self.claimed]
+        for name in claimed:
+            for node in ir.walk(self.lets[name].value):
+                if not isinstance(node, ir.Load):
+                    continue
+                declared = self.program.tensor(node.tensor).axes
+                addressed = tuple(i.axis for i in node.index)
+                if any(i.index is not None for i in node.index) or (
+                        declared and addressed[:3] != token_axes):
+                    raise _fail(node, f"expected {node.tensor} read per token as [{' '.join(token_axes)} ...]; "
+                                f"it is read as [{' '.join(str(a) for a in addressed)}]")
+        for name, expected in update_axes.items():
+            scan = self.lets[name].value
+            assert isinstance(scan, ir.Scan)
+            body = scan.body
+            assert isinstance(body, ir.Binary)
+            update = body.rhs if any(isinstance(n, ir.Prev) for n in ir.walk(body.lhs)) else body.lhs
+            assert isinstance(update, ir.Binary)
+            got = {tuple(update.lhs.axes), tuple(update.rhs.axes)}
+            if got != expected or len(got) != 2:
+                raise _fail(update, f"expected {name}'s update to be an outer product over "
+                            f"{' and '.join(sorted(a[-1] for a in expected))}; its factors carry "
+                            + " and ".join(f"[{' '.join(a)}]" for a in sorted(got)))
+
+    def check_state_axes(self, name: str, scan: ir.Scan, token_axes: tuple[str, str, str],
+                         state_axes: set[str]) -> None:
+        axes = self.program.tensor(name).axes
+        if len(axes) != 5 or axes[:3] != token_axes or set(axes[3:]) != state_axes:
+            raise _fail(self.lets[name], f"declare {name} as [{' '.join(token_axes)} "
+                        f"{' '.join(sorted(state_axes))}] (in either order of the last two)")
 
     def alpha_connection(self, qa_name: str, value: ir.Node) -> tuple[str, str, str | None]:
         """qa = q + alpha (x - q) or qa = x, with x a Chebyshev solve whose right-hand side is q."""
@@ -291,22 +401,31 @@ class _Recognizer:
             raise _fail(ridge_side, "expected `lam * where(kdim == kcol, 1, 0)` (a ridge on the diagonal)")
         lam_side, eye = (ridge_side.lhs, ridge_side.rhs) if isinstance(ridge_side.rhs, ir.Where) else \
             (ridge_side.rhs, ridge_side.lhs)
+        state_axes = set(self.program.tensor(h_name).axes[-2:])
         if not (isinstance(eye, ir.Where) and isinstance(eye.cond, ir.Binary) and eye.cond.op == "==" and
                 _number(eye.then) == 1 and _number(eye.otherwise) == 0):
             raise _fail(ridge_side, "expected the identity as `where(kdim == kcol, 1, 0)`")
+        compared = {getattr(side, "axis", None) for side in (eye.cond.lhs, eye.cond.rhs)
+                    if isinstance(side, ir.AxisIndex)}
+        if compared != state_axes or len(compared) != 2:
+            raise _fail(eye.cond, f"expected the identity over {h_name}'s two state axes: "
+                        f"`where({' == '.join(sorted(state_axes))}, 1, 0)`")
         lam_name, lam_value = self.let_of(lam_side, "the ridge lambda", ridge_side)
-        if not (isinstance(lam_value, ir.Binary) and lam_value.op == "*"):
-            raise _fail(self.lets[lam_name], f"expected {lam_name} = ridge * normH (a constant times ||H||_F)")
-        const, norm_side = (lam_value.lhs, lam_value.rhs) if _number(lam_value.lhs) is not None else \
-            (lam_value.rhs, lam_value.lhs)
-        ridge = _number(const)
-        if ridge is None or ridge <= 0:
+        factors = _product_factors(lam_value)
+        numbers = [_number(f) for f in factors]
+        rest = [f for f, n in zip(factors, numbers, strict=True) if n is None]
+        ridge = 1.0
+        for n in numbers:
+            ridge *= n if n is not None else 1.0
+        if len(rest) != 1 or len(rest) == len(factors) or not ridge > 0:
             raise _fail(self.lets[lam_name], f"expected {lam_name} = ridge * normH with a positive constant ridge")
+        norm_side = rest[0]
         norm_name, norm_value = self.let_of(norm_side, "||H||_F", lam_value)
         if not (isinstance(norm_value, ir.Unary) and norm_value.fn == "sqrt" and isinstance(norm_value.arg, ir.Reduce)
                 and norm_value.arg.op == "sum" and isinstance(norm_value.arg.arg, ir.Pow)
                 and norm_value.arg.arg.exponent == 2 and isinstance(norm_value.arg.arg.base, ir.Load)
-                and norm_value.arg.arg.base.tensor == h_name and len(norm_value.arg.over) == 2):
+                and norm_value.arg.arg.base.tensor == h_name and set(norm_value.arg.over) == state_axes
+                and len(norm_value.arg.over) == 2):
             raise _fail(self.lets[norm_name], f"expected {norm_name} = sqrt(sum({h_name}^2, over both state axes)): "
                         "the Frobenius norm")
         if not (isinstance(solve.mu, ir.Load) and solve.mu.tensor == lam_name):
@@ -326,7 +445,11 @@ class _Recognizer:
             raise _fail(body, f"expected {name} = scan(exp(g) * prev + a * b, over time)")
         decay, update = (body.lhs, body.rhs) if any(isinstance(n, ir.Prev) for n in ir.walk(body.lhs)) else \
             (body.rhs, body.lhs)
-        if not (isinstance(decay, ir.Binary) and decay.op == "*"):
+        if sum(isinstance(n, ir.Prev) for n in ir.walk(body)) != 1 or any(
+                isinstance(n, ir.Prev) for n in ir.walk(update)):
+            raise _fail(body, f"expected {name} = scan(exp(g) * prev + a * b, over time): `prev` once, in the decay")
+        if not (isinstance(decay, ir.Binary) and decay.op == "*" and
+                (isinstance(decay.lhs, ir.Prev) or isinstance(decay.rhs, ir.Prev))):
             raise _fail(decay, "expected the decay `exp(g) * prev`")
         gate = decay.lhs if isinstance(decay.rhs, ir.Prev) else decay.rhs
         if not (isinstance(gate, ir.Unary) and gate.fn == "exp"):
@@ -356,6 +479,15 @@ class _Recognizer:
         if scalars:
             factor = factor.subs(sympy.Symbol(scalars[0]), BETA)
         return vectors[0], (scalars[0] if scalars else None), factor
+
+
+def _product_factors(node: ir.Node) -> list[ir.Node]:
+    """The factors of a product tree `a * (b * c)`; a negation contributes the factor -1."""
+    if isinstance(node, ir.Binary) and node.op == "*":
+        return _product_factors(node.lhs) + _product_factors(node.rhs)
+    if isinstance(node, ir.Unary) and node.fn == "neg" and _number(node) is None:
+        return [ir.Const(-1.0, node.span), *_product_factors(node.arg)]
+    return [node]
 
 
 def _number(node: ir.Node) -> float | None:

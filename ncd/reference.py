@@ -242,10 +242,11 @@ class _Evaluator:
             keep = keep * self.to_axes(self.eval(node.weight, scope), s.axes).data
         dim = s.axes.index(node.over)
         z = (keep * torch.where(keep != 0, self.lam(node.a2, data), 0)).sum(dim)
-        b = self.lam(node.b, z)
+        masked = z == 0  # a row with no visible key of nonzero weight: output 0, no gradient (docs/language.md)
+        b = self.lam(node.b, torch.where(masked, 1, z))
         self.normalisers.append(Named(b, tuple(a for a in s.axes if a != node.over)))
         out = keep * torch.where(keep != 0, self.lam(node.a1, data), 0) / b.unsqueeze(dim)
-        return Named(out, s.axes)
+        return Named(torch.where(masked.unsqueeze(dim), 0, out), s.axes)
 
     def basis(self, node: ir.BasisEval, scope: dict[str, object]) -> Named:
         basis = self.bases[node.basis]

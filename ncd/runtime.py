@@ -5,6 +5,8 @@ back the size of every axis, or a `CallError` that names the tensor and the axis
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 
@@ -50,6 +52,11 @@ def bind_axes(
                                 f"{sizes[axis]}, but the factors give {product}")
         elif len(known) == len(factors) - 1:
             rest = next(f for f in factors if f not in known)
+            if product == 0:  # an empty factor: the axis is empty too, and the other factor is free
+                if sizes[axis]:
+                    raise CallError(None, detail=f"{seen_in[axis]}: axis '{axis}' ({sizes[axis]}) is not a multiple "
+                                    f"of {' * '.join(known)} (0)")
+                continue
             if sizes[axis] % product:
                 raise CallError(None, detail=f"{seen_in[axis]}: axis '{axis}' ({sizes[axis]}) is not a multiple "
                                 f"of {' * '.join(known)} ({product})")
@@ -70,6 +77,10 @@ def check_floats(tensors: Sequence[tuple[str, torch.Tensor]], same_dtype: bool =
 def check_device(tensors: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
     first = tensors[0]
     for name, t in tensors:
+        if t.device.type == "meta":
+            raise CallError(None, detail=f"{name} is a meta tensor (a shape without data); ncd kernels need tensors "
+                            "with data on a CUDA device (or on the CPU under TRITON_INTERPRET=1)")
+    for name, t in tensors:
         if t.device != first[1].device:
             raise CallError(None, detail=f"{name} is on {t.device} but {first[0]} is on {first[1].device}")
     device = first[1].device
@@ -77,3 +88,61 @@ def check_device(tensors: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
         raise CallError(None, detail=f"{first[0]} is on the CPU; ncd kernels run on CUDA devices "
                         "(or on the CPU under TRITON_INTERPRET=1)")
     return device
+
+
+def scalar_input(name: str, value: object, differentiable: bool = False) -> float | torch.Tensor:
+    """A scalar input as a float: a real number, or a one-element tensor that needs no gradient (the kernels take
+    scalars as constants). `differentiable`: a one-element tensor that needs a gradient comes back as a 0-dim
+    tensor, for the op to route its gradient (see `differentiable_scale`)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise CallError(None, detail=f"{name} must be a number or a one-element tensor, got a tensor of shape "
+                            f"{tuple(value.shape)}")
+        if value.device.type == "meta":
+            raise CallError(None, detail=f"{name} is a meta tensor (no value); pass a number")
+        if differentiable and value.requires_grad and torch.is_grad_enabled():
+            return value.reshape(())
+        check_constant(name, value, "a scalar input")
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise CallError(None, detail=f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
+    return float(value)
+
+
+def check_constant(name: str, value: torch.Tensor, what: str) -> None:
+    """A CallError when `value` would need a gradient the kernels do not compute."""
+    if value.requires_grad and torch.is_grad_enabled():
+        raise CallError(None, detail=f"{name} requires grad, but the kernels treat {what} as a constant and compute "
+                        f"no gradient for it; pass {name}.detach() (or compute its gradient outside the op)")
+
+
+class ZeroResult(torch.autograd.Function):
+    """zeros(shape) that depends on `inputs` with zero gradients: what an op returns for empty batches, heads or
+    sequences (no kernel launches on empty grids)."""
+
+    @staticmethod
+    def forward(ctx, shape, like, *inputs):  # type: ignore[override]
+        ctx.shapes = [(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None for t in inputs]
+        return like.new_zeros(shape)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        zeros = [torch.zeros(s[0], dtype=s[1], device=s[2]) if s is not None else None for s in ctx.shapes]
+        return (None, None, *zeros)
+
+
+def zero_result(shape: Sequence[int], like: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
+    return ZeroResult.apply(tuple(shape), like, *inputs)
+
+
+def differentiable_scale(scale: float | torch.Tensor, q: torch.Tensor, name: str) -> tuple[float, torch.Tensor]:
+    """(the score's scale as a float, q). Where the scale is a tensor that needs a gradient, q comes back times
+    scale / float(scale), which is exactly 1, so the kernels see the same q; autograd then gives the scale
+    dL/dscale = sum(q * dL/dq) / scale, the identity that s = scale (q . k) implies for every form of the kernels."""
+    if not isinstance(scale, torch.Tensor):
+        return float(scale), q
+    value = float(scale.detach())
+    if value == 0.0 or not math.isfinite(value):
+        raise CallError(None, detail=f"{name} gives the score a scale of {value}, where the op cannot recover its "
+                        f"gradient; pass {name}.detach() or a float")
+    return value, q * (scale / value).to(q.dtype)

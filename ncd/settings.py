@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +29,29 @@ def _bytes(name: str) -> int | None:
     return int(value)
 
 
+def default_cache_root() -> Path:
+    """The per-user cache root: $XDG_CACHE_HOME/ncd (an absolute XDG_CACHE_HOME only, as the XDG spec says), else
+    ~/.cache/ncd. It holds the cache's key (ncd/cache.py) even when NCD_CACHE_DIR moves the entries elsewhere."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return absolute_path(os.path.join(base, "ncd"))
+
+
+@functools.cache
+def absolute_path(path: str) -> Path:
+    """`path` made absolute against the working directory the first time this process sees it, so a relative
+    NCD_CACHE_DIR keeps naming one directory when the process later changes directory (into a cloned repository,
+    say)."""
+    return Path(os.path.abspath(os.path.expanduser(path)))
+
+
 @dataclass(frozen=True)
 class Settings:
     verify: bool  # NCD_VERIFY: re-verify the IR after every stage (default on)
     debug: bool  # NCD_DEBUG: show Python tracebacks for internal errors
-    cache_dir: Path  # NCD_CACHE_DIR: where compiled ops are cached
+    cache_dir: Path  # NCD_CACHE_DIR: where compiled ops are cached (absolute; default_cache_root() when unset)
     attention_factorize: str  # NCD_ATTENTION_FACTORIZE: auto (cost model) | always | never
-    gka_dot_precision: str | None = None  # NCD_GKA_DOT_PRECISION: fp16 (scaled; default) | tf32 | tf32x3 | ieee | bf16
+    gka_dot_precision: str | None = None  # NCD_GKA_DOT_PRECISION: fp16 | tf32 | tf32x3 | ieee | bf16 (default by dtype)
     gka_grad_precision: str | None = None  # NCD_GKA_GRAD_PRECISION: fp16x3 (default) | tf32x3 | tf32 | ieee
     # NCD_ATTENTION_DS_BUFFER_BYTES: the largest dS buffer the attention backward may allocate to skip
     # recomputing S and dP in its dQ kernel (0: never); None keeps the generated module's default (4 GiB)
@@ -46,15 +63,14 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        cache = os.environ.get("NCD_CACHE_DIR") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ncd"
-        )
+        raw_cache = os.environ.get("NCD_CACHE_DIR", "")
+        cache = absolute_path(raw_cache) if raw_cache else default_cache_root()
         factorize = os.environ.get("NCD_ATTENTION_FACTORIZE", "auto").strip().lower()
         if factorize not in ("auto", "always", "never"):
             raise ValueError(f"NCD_ATTENTION_FACTORIZE must be auto, always or never, not {factorize!r}")
         precision = _choice("NCD_GKA_DOT_PRECISION", ("fp16", "tf32", "tf32x3", "ieee", "bf16"))
         grad_precision = _choice("NCD_GKA_GRAD_PRECISION", ("fp16x3", "tf32x3", "tf32", "ieee"))
-        return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=Path(cache),
+        return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=cache,
                    attention_factorize=factorize, gka_dot_precision=precision, gka_grad_precision=grad_precision,
                    attention_ds_buffer_bytes=_bytes("NCD_ATTENTION_DS_BUFFER_BYTES"),
                    fit_carveout=_flag("NCD_FIT_CARVEOUT", True), fast_launch=_flag("NCD_FAST_LAUNCH", True))

@@ -7,7 +7,11 @@ Fusion: an element-wise map g applied to x before normalising composes into a1 a
 streamability survives it; broadcasting over axes other than the streamed one leaves the accumulator per row.
 
 When a1 = C1 exp(c1 x) and a2 = C2 exp(c2 x) and b is homogeneous of degree c1 / c2, the accumulators may be
-kept relative to a running maximum m: the pass derives this (softmax) instead of being told.
+kept relative to a running maximum m: the pass derives this (softmax) instead of being told. More generally, maps
+a1 = C1 exp(c1 h(x)), a2 = C2 exp(c2 h(x)) (softcapping: h = cap tanh(x / cap); softmin: h = -x) stream with h as
+an element-wise pre-map of the score (the fusion above): the kernels compute t = h(s), keep the running max of t
+and apply the chain rule h'(s) in the backward. Any other map that holds an exponential and is not bounded is
+rejected with the reason: an unbounded exponential never streams without a stabiliser.
 
 The normaliser can be written with `normalize(...)` or spelled out (`exp(S) / sum(exp(S), over key)`); the
 spelled-out form is separated symbolically into a1(s) / b(r) or rejected with the reason.
@@ -22,7 +26,7 @@ import sympy
 from . import ir
 from .errors import NotStreamable
 from .source import Span
-from .symbolic import lambda_to_sympy, to_sympy
+from .symbolic import to_sympy
 
 X = sympy.Symbol("x", real=True)
 Z = sympy.Symbol("z", positive=True)
@@ -54,6 +58,7 @@ class Certificate:
     rescale: Rescale | None
     scale: sympy.Expr  # s = scale * (the contraction): a number or a scalar input's symbol
     span: Span
+    pre: sympy.Expr = X  # in X: element-wise pre-map h of the scaled score; a1, a2 are maps of t = h(s)
 
     @property
     def state(self) -> tuple[str, ...]:
@@ -65,12 +70,15 @@ class Certificate:
             "da1": sympy.diff(self.a1, X),
             "da2": sympy.diff(self.a2, X),
             "db_over_b": sympy.cancel(sympy.diff(self.b, Z) / self.b),
+            "dpre": sympy.diff(self.pre, X),
         }
 
     def describe(self) -> list[str]:
         d = self.derivatives()
         lines = [f"stream {self.output} over '{self.axis}' (normalized-contraction lemma)",
                  f"  x = {self.scale} * (the score contraction)",
+                 *([f"  pre-map (stabiliser): t = h(x) = {self.pre}; a1, a2 below are maps of t"]
+                   if self.pre != X else []),
                  f"  a1(x) = {self.a1}    a2(x) = {self.a2}    b(z) = {self.b}"]
         if self.rescale is None:
             lines += ["  state: o (per row, value width), z (per row)",
@@ -87,7 +95,8 @@ class Certificate:
                       " z = z * a2(m - m') + a2(x - m')",
                       "  finalize: O = o / b(z)  (the common factor cancels)"]
         d = {k: sympy.simplify(v) for k, v in d.items()}
-        lines += [f"  backward: a1'(x) = {d['da1']};  a2'(x) = {d['da2']};  b'(z)/b(z) = {d['db_over_b']}",
+        lines += [f"  backward: a1'(x) = {d['da1']};  a2'(x) = {d['da2']};  b'(z)/b(z) = {d['db_over_b']}"
+                  + (f";  h'(x) = {d['dpre']}" if self.pre != X else ""),
                   "  saved per row: " + ("m, z" if self.rescale else "z")]
         return lines
 
@@ -111,6 +120,100 @@ def derive_rescale(a1: sympy.Expr, a2: sympy.Expr, b: sympy.Expr) -> Rescale | s
         return (f"a1, a2 are exponentials, so a running-max rescale is needed, but b(z) = {b} is not "
                 f"homogeneous of degree {degree}")
     return Rescale(c1, c2)
+
+
+def _has_exponential(f: sympy.Expr) -> bool:
+    """Whether f holds an exponential of x (exp, sinh, cosh, or a power with x in the exponent)."""
+    return bool(f.atoms(sympy.exp, sympy.sinh, sympy.cosh)) or any(
+        X in p.exp.free_symbols for p in f.atoms(sympy.Pow))
+
+
+def _exponent_form(f: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr] | None:
+    """(log C, g) with f = C exp(g(x)), g(0) = 0 and g free of logarithms of x; None if f has no such form."""
+    log_f = sympy.expand_log(sympy.log(f), force=True)
+    if any(X in term.free_symbols for term in log_f.atoms(sympy.log)):
+        return None
+    const = log_f.subs(X, 0)
+    if not (const.is_real and const.is_finite):
+        return None
+    return const, sympy.simplify(log_f - const)
+
+
+def _continuous(f: sympy.Expr) -> bool:
+    from sympy.calculus.util import continuous_domain
+
+    try:
+        return bool(continuous_domain(f, X, sympy.S.Reals) == sympy.S.Reals)
+    except (NotImplementedError, ValueError, TypeError):
+        return False
+
+
+# A map holding an exponential streams without a stabiliser only if its values stay below this on the reals
+# (sigmoid: 1); fp32 overflows at 3.4e38, and z sums up to 2^31 of them.
+BOUNDED = 1e20
+
+
+def _bounded(f: sympy.Expr) -> bool:
+    """Whether |f| stays below BOUNDED: finite limits at both ends and no large value on a grid in between."""
+    import mpmath
+
+    if not _continuous(f):
+        return False
+    try:
+        ends = [sympy.limit(f, X, end) for end in (sympy.oo, -sympy.oo)]
+        if not all(e.is_finite and abs(float(e)) < BOUNDED for e in ends):
+            return False
+        fn = sympy.lambdify(X, f, "mpmath")
+        return all(abs(fn(mpmath.mpf(v) / 8)) < BOUNDED for v in range(-8000, 8001, 7))
+    except (TypeError, ValueError, NotImplementedError, ZeroDivisionError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class Stabilised:
+    """How a1, a2 stream: as maps of t = pre(x), with the running-max rescale where they are exponentials."""
+
+    rescale: Rescale | None
+    pre: sympy.Expr
+    a1: sympy.Expr
+    a2: sympy.Expr
+
+
+def stabilise(a1: sympy.Expr, a2: sympy.Expr, b: sympy.Expr) -> Stabilised | str:
+    """The stabiliser for exponential maps (running max of x, or of h(x) as a pre-map); plain sums for the rest;
+    otherwise the reason the maps cannot stream without overflow."""
+    rescale = derive_rescale(a1, a2, b)
+    if isinstance(rescale, str):
+        return rescale
+    if rescale is not None:
+        return Stabilised(rescale, X, a1, a2)
+    exponential = [_has_exponential(f) for f in (a1, a2)]
+    if not any(exponential):
+        return Stabilised(None, X, a1, a2)
+    form1, form2 = _exponent_form(a1), _exponent_form(a2)
+    if all(exponential) and form1 is not None and form2 is not None:
+        (log_c1, g1), (log_c2, g2) = form1, form2
+        ratio = sympy.simplify(g1 / g2) if g2 != 0 else sympy.nan
+        if X in ratio.free_symbols or not ratio.is_positive:
+            return (f"a1(x) = {a1} and a2(x) = {a2} are exponentials of {g1} and {g2}, which are not positive "
+                    "multiples of one h(x), so no common running max keeps both finite")
+        h = g2
+        if not (_continuous(h) and _continuous(sympy.diff(h, X))):
+            return (f"a1(x) = {a1}, a2(x) = {a2} are exp(c h(x)) with h(x) = {h}, but h or h' is not finite on "
+                    "every real x, so the running max of h cannot stabilise them")
+        a1_t, a2_t = sympy.exp(log_c1) * sympy.exp(ratio * X), sympy.exp(log_c2) * sympy.exp(X)
+        rescale = derive_rescale(a1_t, a2_t, b)
+        if not isinstance(rescale, Rescale):
+            return f"as maps of t = {h}: {rescale}"
+        return Stabilised(rescale, h, a1_t, a2_t)
+    unbounded = [name for name, f, e in (("a1", a1, exponential[0]), ("a2", a2, exponential[1]))
+                 if e and not _bounded(f)]
+    if not unbounded:
+        return Stabilised(None, X, a1, a2)
+    which = unbounded[0]
+    f = a1 if which == "a1" else a2
+    return (f"{which}(x) = {f} holds an exponential that can overflow, and it is not of the form C exp(c h(x)) "
+            "shared by a1 and a2 (with b homogeneous), so no running max stabilises it")
 
 
 def certify(program: ir.Program) -> list[Certificate]:
@@ -153,6 +256,8 @@ def _map_of(program: ir.Program, node: ir.Node, score: ir.Node, axis: str, blame
         return sympy.Symbol(node.tensor, positive=True)
     if isinstance(node, ir.Const):
         return to_sympy(node)
+    if isinstance(node, ir.SizeOf):  # an axis size: a number, or a symbol bound at call time
+        return program.axis(node.axis).size
     if isinstance(node, ir.Unary):
         inner = _map_of(program, node.arg, score, axis, blame)
         return -inner if node.fn == "neg" else to_sympy(ir.Unary(node.fn, ir.Var("_", node.span), (), node.span),
@@ -178,10 +283,29 @@ def _split_scale(pre: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
 def _from_normalize(program: ir.Program, d: ir.Definition, norm: ir.Normalize) -> Certificate:
     _, pre = _score(program, norm.arg, norm.over, norm)
     scale, rest = _split_scale(pre)
-    a1 = lambda_to_sympy(norm.a1, X).subs(X, rest)
-    a2 = lambda_to_sympy(norm.a2, X).subs(X, rest)
-    b = lambda_to_sympy(norm.b, Z)
+    a1 = _lambda(program, norm.a1, X).subs(X, rest)
+    a2 = _lambda(program, norm.a2, X).subs(X, rest)
+    b = _lambda(program, norm.b, Z)
     return _certificate(program, d, norm.over, a1, a2, b, scale, norm.span, norm)
+
+
+def _lambda(program: ir.Program, fn: ir.Lambda, var: sympy.Symbol) -> sympy.Expr:
+    """A map of the spec as sympy in `var`; size(...) in its body is the axis size (a number or a size symbol)."""
+    return to_sympy(fn.body, {a.name: a for a in program.axes}, {fn.param: var})
+
+
+def _fold_into_scale(a1: sympy.Expr, a2: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+    """(a1, a2, c) with the maps written as functions of c x, where a positive factor c of x that reads sizes (or
+    scalar inputs) moves out of the maps into the score's scale: exp(x / sqrt(size(dim))). c = 1 when none does."""
+    if not (a1.free_symbols | a2.free_symbols) - {X}:
+        return a1, a2, sympy.Integer(1)
+    for term in sorted(a1.atoms(sympy.Mul), key=sympy.default_sort_key):
+        coeff, rest = term.as_independent(X, as_Add=False)
+        if rest == X and coeff.free_symbols and coeff.is_positive:
+            f1, f2 = (sympy.simplify(f.subs(X, X / coeff)) for f in (a1, a2))
+            if not (f1.free_symbols | f2.free_symbols) - {X}:
+                return f1, f2, coeff
+    return a1, a2, sympy.Integer(1)
 
 
 def _from_expression(program: ir.Program, d: ir.Definition, weights: ir.Node, axis: str,
@@ -235,11 +359,14 @@ def _map_with_aggregate(program: ir.Program, node: ir.Node, score: ir.Node, aggr
 
 def _certificate(program: ir.Program, d: ir.Definition, axis: str, a1: sympy.Expr, a2: sympy.Expr,
                  b: sympy.Expr, scale: sympy.Expr, span: Span, blame: ir.Node) -> Certificate:
+    a1, a2, factor = _fold_into_scale(a1, a2)
+    scale = scale * factor
     for name, f in (("a1", a1), ("a2", a2)):
         if f.free_symbols - {X}:
             raise NotStreamable(blame.span, detail=f"{name}(x) = {f} reads {sorted(map(str, f.free_symbols - {X}))}"
                                 " besides the score", hint="a scalar input may only scale the score")
-    rescale = derive_rescale(a1, a2, b)
-    if isinstance(rescale, str):
-        raise NotStreamable(blame.span, detail=f"'{d.tensor}' cannot stream over '{axis}': {rescale}")
-    return Certificate(d.tensor, axis, a1, a2, b, rescale, scale, span)
+    stable = stabilise(a1, a2, b)
+    if isinstance(stable, str):
+        raise NotStreamable(blame.span, detail=f"'{d.tensor}' cannot stream over '{axis}': {stable}",
+                            hint="write the maps as exp(c * h(x)) with one h, or as bounded functions")
+    return Certificate(d.tensor, axis, stable.a1, stable.a2, b, stable.rescale, scale, span, stable.pre)

@@ -144,22 +144,28 @@ class TritonPrinter(StrPrinter):
     def _print_AbsPlus(self, expr: sympy.Expr) -> str:
         return f"tl.abs({self._print(expr.args[0])})"
 
-    def _print_SignPlus(self, expr: sympy.Expr) -> str:  # sign with sign(0) = +1
-        return f"tl.where(({self._print(expr.args[0])}) >= 0, 1.0, -1.0)"
+    def _print_SignPlus(self, expr: sympy.Expr) -> str:  # sign with sign(0) = +1; NaN at NaN
+        a = self._print(expr.args[0])
+        return f"tl.where(({a}) >= 0, 1.0, tl.where(({a}) < 0, -1.0, ({a})))"
 
-    def _print_Heaviside(self, expr: sympy.Expr) -> str:  # d/dx max(x, 0): the subgradient 0 at 0
-        return f"tl.where(({self._print(expr.args[0])}) > 0, 1.0, 0.0)"
+    def _print_Heaviside(self, expr: sympy.Expr) -> str:
+        # d/dx max(a, b) = H(a - b) a' + H(b - a) b'. With H(0) = 1/2 a tie takes the mean of both sides' slopes:
+        # a subgradient of max(x, c x) at 0 (H(0) = 0 gave 0 on both sides), and what torch.maximum's backward
+        # (the float64 reference) and sympy's own Heaviside(0) give. NaN at NaN.
+        a = self._print(expr.args[0])
+        at_zero = self._print(expr.args[1]) if len(expr.args) > 1 else "0.5"
+        return f"tl.where(({a}) > 0, 1.0, tl.where(({a}) < 0, 0.0, tl.where(({a}) == 0, {at_zero}, ({a}))))"
 
     def _print_Max(self, expr: sympy.Expr) -> str:
         out = self._print(expr.args[0])
         for a in expr.args[1:]:
-            out = f"tl.maximum({out}, {self._print(a)})"
+            out = f"tl.maximum({out}, {self._print(a)}, propagate_nan=tl.PropagateNan.ALL)"  # NaN in, NaN out
         return out
 
     def _print_Min(self, expr: sympy.Expr) -> str:
         out = self._print(expr.args[0])
         for a in expr.args[1:]:
-            out = f"tl.minimum({out}, {self._print(a)})"
+            out = f"tl.minimum({out}, {self._print(a)}, propagate_nan=tl.PropagateNan.ALL)"
         return out
 
     def _print_Pow(self, expr: sympy.Pow, rational: bool = False) -> str:

@@ -59,6 +59,22 @@ def rms_ratio(value: torch.Tensor, ref: torch.Tensor) -> float:
     return float((value - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
 
 
+def token_errors(value: torch.Tensor, ref: torch.Tensor, floor: float = 1e-2) -> torch.Tensor:
+    """Per-row relative errors (a row: one index of every axis but the last, one token of one head):
+    ||value_i - ref_i|| / max(||ref_i||, floor * RMS of the reference's row norms). A whole-tensor norm hides a few
+    bad tokens among many good ones (fp16 products put the first tokens 7-27% off at 0.74% overall)."""
+    value, ref = value.detach().double(), ref.detach().double()
+    value, ref = value.reshape(-1, value.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    norms = ref.norm(dim=1)
+    denom = torch.clamp(norms, min=floor * float(norms.pow(2).mean().sqrt()) + 1e-300)
+    return (value - ref).norm(dim=1) / denom
+
+
+def worst_token(value: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(value).any()
+    return float(token_errors(value, ref).max())
+
+
 def f64(ts):
     return [t.double() if t is not None else None for t in ts]
 
@@ -70,6 +86,7 @@ def test_forward_matches_the_naive_recurrence_and_is_close_to_the_exact_solve(gk
     exact, _ = naive_gka(*f64(inputs), exact=True)
     assert rms_ratio(o, ref) <= 0.005
     assert rms_ratio(o, ref) < 1e-4  # fp32 against fp64, same algorithm
+    assert worst_token(o, ref) < 1e-3  # and every token of it
     vs_exact = rms_ratio(o, exact)
     print(f"GKA forward vs exact solve: RMS ratio {vs_exact:.2e} (30 Chebyshev steps)")
     assert vs_exact < 0.05
@@ -147,7 +164,7 @@ def test_all_gradients_and_states_match_autograd_through_the_naive_recurrence(gk
     ref_present = [t for t in ref_leaves if t is not None]
     ref_grads = torch.autograd.grad((ref * do.double()).sum() + (h_ref * dh.double()).sum()
                                     + (s_ref * ds.double()).sum(), ref_present)
-    assert rms_ratio(o, ref) <= 0.005
+    assert rms_ratio(o, ref) <= 0.005 and worst_token(o, ref) < 1e-3
     assert rms_ratio(h_fin, h_ref) < 1e-5 and rms_ratio(s_fin, s_ref) < 1e-5
     names = [n for n, t in zip(["q", "k", "v", "g", "beta", "alpha", "h0", "s0"], leaves, strict=True) if t is not None]
     for name, got, want in zip(names, grads, ref_grads, strict=True):
@@ -178,7 +195,7 @@ def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
     sensitivity to operand rounding is about eps / ridge = 2^-11 / 0.02 = 2.4e-2 (kappa <= 1 / ridge + 1), reached
     on the first tokens of a sequence where H_t has rank one; measured 5.6e-3 to 7.8e-3 for o, up to 1.9e-2 for
     dalpha."""
-    monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
+    monkeypatch.setattr(gka_module, "DOT_PRECISION", "fp16")  # fp32 inputs default to fp32-class products
     inputs = draw(T=77)
     o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
@@ -188,7 +205,7 @@ def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
               zip(["o", "q", "k", "v", "g", "beta", "alpha"], (o, *grads), (ref, *ref_grads), strict=True)}
     print("GKA fp16 products vs float64:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
     assert rms_ratio(o, o_exact) > 1e-5  # the products did run in fp16
-    bound = _tolerances()
+    bound = _tolerances("float16")  # the plan's bounds for 10-bit-mantissa products
     assert errors.pop("o") <= bound["o"]
     assert max(errors.values()) <= bound["grad"]  # two solves' rounding: x and the adjoint z
 
@@ -220,7 +237,7 @@ def test_backward_split_fp16_products_match_fp32_products(gka_module, monkeypatc
     assert max(errors[n] for n in ("q", "k", "v")) <= (1e-5 if dtype == torch.float32 else 2.0 ** -9)
 
 
-@pytest.mark.parametrize("precision,bound", [("ieee", 1e-5), (None, 5e-4)])
+@pytest.mark.parametrize("precision,bound", [("ieee", 1e-5), ("fp16", 5e-4)])
 def test_saved_norms_match_the_frobenius_norm_of_the_naive_states(gka_module, monkeypatch, precision, bound):
     """||H_t||_F as the forward saves it: the Gram term in the norm kernel, each chunk's initial-state terms from
     the H scan (an initial state, so they matter from the first chunk). Default precision: the Gram term from
@@ -251,10 +268,10 @@ def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
     h0 = h0 @ h0.transpose(-1, -2) * 1e5
     s0 = torch.randn(B, H, K, V) * 1e5
     inputs = (q, k * 30, v * 1e5, g, b, a)
-    monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
+    monkeypatch.setattr(gka_module, "DOT_PRECISION", "fp16")
     o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs, (h0, s0))
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs), (h0.double(), s0.double()))
-    bound = _tolerances()
+    bound = _tolerances("float16")
     assert rms_ratio(o, ref) <= bound["o"]
     for got, want in zip(grads, ref_grads, strict=True):
         assert torch.isfinite(got).all() and rms_ratio(got, want) <= bound["grad"]
@@ -266,7 +283,7 @@ def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_module
     2 x 2, an output block spanning two) and an initial state whose blocks differ by 1e4, a misplaced tile scale
     would be off by orders of magnitude; read back right, o is as accurate as with one tile per state, also with the
     output split into 16-column blocks."""
-    monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
+    monkeypatch.setattr(gka_module, "DOT_PRECISION", "fp16")
     q, k, v, g, b, a = draw(B=1, H=2, T=40)
     rows = torch.cat([torch.full((K // 2,), 1.0), torch.full((K // 2,), 100.0)])
     h0 = torch.randn(1, 2, K, K) * rows[:, None]
@@ -278,7 +295,7 @@ def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_module
     tiled, _ = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
     monkeypatch.setattr(gka_module, "OUTPUT_BV", 16)  # the solve's output over two blocks of value columns
     split = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)[0]
-    bound = _tolerances()["o"]
+    bound = _tolerances("float16")["o"]
     assert rms_ratio(one_tile, ref) <= bound
     assert rms_ratio(tiled, ref) <= bound
     assert rms_ratio(split, ref) <= bound
@@ -302,7 +319,7 @@ def test_bf16_inputs_scan_with_bf16_products_within_the_bf16_limits(gka_module, 
     q, k, v, g, b, a = draw(T=77)
     inputs = [t.bfloat16() for t in (q, k, v)] + [g, b.bfloat16(), a.bfloat16()]
     assert gka_module._scan_precision(torch.bfloat16) == "bf16"
-    assert gka_module._scan_precision(torch.float32) == "tf32"
+    assert gka_module._scan_precision(torch.float32) == "ieee"  # fp32 inputs: fp32 products
     o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
     bound = _tolerances("bfloat16")

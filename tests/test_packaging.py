@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
 import venv
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +17,9 @@ from .conftest import ROOT, SPECS
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """Build the wheel and install it, without dependencies, into a fresh venv that borrows them from the
-    running interpreter's site-packages (CI has no reason to download them twice)."""
+    running interpreter's site-packages (CI has no reason to download them twice). The borrowed directories are
+    the running interpreter's own, named in a .pth file: inside a virtualenv the base interpreter that `venv`
+    builds from (and its system site-packages) lacks the dependencies."""
     base = tmp_path_factory.mktemp("pkg")
     wheels = base / "wheels"
     subprocess.run(
@@ -24,10 +28,18 @@ def installed(tmp_path_factory):
     )
     (wheel,) = wheels.glob("ncd-*.whl")
     env_dir = base / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    venv.EnvBuilder(system_site_packages=False, with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
                     "--no-index", str(wheel)], check=True, cwd=base)
+    own = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    borrowed = [p for p in (*site.getsitepackages(), site.getusersitepackages()) if os.path.isdir(p)]
+    # addsitedir (not a bare path) so the borrowed directories' own .pth files run too; after the venv's own
+    # site-packages, so the wheel under test comes first; written after pip ran so that pip sees
+    # only the venv
+    (Path(own) / "_borrowed_dependencies.pth").write_text(
+        "".join(f"import site; site.addsitedir({p!r})\n" for p in borrowed))
     workdir = base / "elsewhere"
     workdir.mkdir()
     return env_dir / "bin", workdir

@@ -317,8 +317,9 @@ def test_chebykan_layer_is_a_drop_in():
         layer(x).square().sum().backward()
         opt.step()
         assert layer.cheby_coeffs.grad.stride() == layer.cheby_coeffs.stride()
-    kernel = ChebyKANLayer(7, 5, 3)
+    kernel = ChebyKANLayer(7, 5, 3, layout="kernel")
     assert kernel.cheby_coeffs.permute(2, 0, 1).is_contiguous()  # stored in the kernel layout
+    assert ChebyKANLayer(7, 5, 3).cheby_coeffs.is_contiguous()  # the default: ChebyKAN's contiguous layout
     std = ChebyKANLayer(200, 300, 4).cheby_coeffs.std().item()
     assert abs(std - 1 / (200 * 5)) < 0.05 / (200 * 5)
 

@@ -1,0 +1,57 @@
+"""GPU-only checks (`pytest -m gpu`; skipped without CUDA): paths whose failure the CPU interpreter cannot show,
+such as kernels whose tiles exceed a real device's shared memory at the shipped head sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")]
+
+
+def _row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Each row's (last axis) relative error, floored at a quarter of the reference's RMS row norm."""
+    out, ref = out.double(), ref.double()
+    norms = ref.norm(dim=-1)
+    floor = 0.25 * norms.pow(2).mean().sqrt()
+    return (out - ref).norm(dim=-1) / norms.clamp_min(floor)
+
+
+def test_gka_fp32_inputs_at_head_size_128_run_with_fp32_products():
+    """fp32 inputs take fp32-class products by default (issue 30, item 9); at K = V = 128 their tiles must fit the
+    device, and every token must be close to the float64 recurrence, not only the whole tensor."""
+    from ncd.gka_reference import naive_gka
+    from ncd.ops import chunk_gka
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, t, h, d = 1, 150, 2, 128
+    q = F.normalize(torch.randn(b, t, h, d, device="cuda", generator=gen), dim=-1)
+    k = F.normalize(torch.randn(b, t, h, d, device="cuda", generator=gen), dim=-1)
+    v = torch.randn(b, t, h, d, device="cuda", generator=gen)
+    g = F.logsigmoid(torch.randn(b, t, h, device="cuda", generator=gen) + 3.0)
+    beta = torch.sigmoid(torch.randn(b, t, h, device="cuda", generator=gen))
+    o, _ = chunk_gka(q, k, v, g, beta)
+    ref, _ = naive_gka(*(x.double() for x in (q, k, v, g, beta)))
+    assert _row_errors(o, ref).max() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_forward_and_backward_at_head_dim_128(dtype):
+    """The shipped softmax spec at D = 128 in both input dtypes, forward and every gradient."""
+    import ncd
+    from ncd.ops import shipped_spec
+
+    op = ncd.load(shipped_spec("softmax_attention"))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 77, 128, device="cuda", generator=gen).to(dtype).requires_grad_() for _ in range(3))
+    o = op(q, k, v)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = torch.softmax(qd @ kd.transpose(-1, -2) / 128 ** 0.5, dim=-1) @ vd
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for got, want in zip((o, *grads), (ref, *ref_grads), strict=True):
+        assert float((got.double() - want).norm() / want.norm()) < tol
