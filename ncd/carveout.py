@@ -5,7 +5,7 @@ gives the SM its largest shared-memory carveout: on an H100, 228 KB of shared me
 that also spills registers then misses L1 on its spill loads and waits on L2 (ncu, the GKA solve: 2.6% L1 hit rate).
 `fit_carveout` asks instead for the least shared memory that still holds as many programs per SM as the registers
 allow, which leaves the rest to L1: the GKA solve at T = 8192 went from 560 to 506-512 us at r = 10 and from
-1,326-1,331 to 1,195-1,199 at r = 30 (H100, BENCHMARKS.md)."""
+1,326-1,331 to 1,195-1,199 at r = 30 (H100, bench/log/2026-11-20-to-22.md)."""
 
 from __future__ import annotations
 

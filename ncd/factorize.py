@@ -29,8 +29,8 @@ from .streaming import Certificate, X
 CHUNK = 128
 
 # Crossover: the factorized form is chosen when Nq Nk / (Nq + Nk) > CROSSOVER * D (self-attention:
-# N > 2 * CROSSOVER * D). Measured on H100 (BENCHMARKS.md, 2026-11-21: bf16, D = 128, 32k tokens x 16 heads;
-# ms forward / forward+backward). The factorized form costs about the same at every N: no mask 0.33-0.37 /
+# N > 2 * CROSSOVER * D). Measured on H100 (bench/log/2026-11-20-to-22.md, 2026-11-21: bf16, D = 128, 32k tokens x
+# 16 heads; ms forward / forward+backward). The factorized form costs about the same at every N: no mask 0.33-0.37 /
 # 1.17-1.41, causal 0.63-0.77 / 2.10-2.43 (its [D, 2D] states per chunk of 128 keys are written and read
 # back). The streamed kernels cost ~N: no mask 0.52 / 2.73 at N = 1024, causal 0.39 / 1.97 at 1024 and
 # 1.03 / 5.42 at 4096. So without a mask the factorized form wins from N = 1024 down to about N = 512; with

@@ -11,7 +11,8 @@ and write the output (and dx) in the input's dtype. This computes the same value
 wherever the next op is an autocast op (a Linear rounds KAT's fp32 output to bf16 exactly as our store does,
 and casts the gradient back the same way; the coefficient gradients differ only in summation order) and moves
 half the bytes: the MLP block Linear -> KATGroup -> Linear
-runs within 1.25x of the same block with GELU under bf16 autocast (BENCHMARKS.md, "Group rational (KAT)").
+runs within 1.25x of the same block with GELU under bf16 autocast (bench/log/2026-11-20-to-22.md, "Group rational
+(KAT)").
 `upcast_under_autocast=True` keeps KAT's exact semantics instead: the input is cast to fp32 in memory and the
 output is fp32.
 """
