@@ -140,7 +140,7 @@ class RecurrencePlan:
 
     # 16-bit inputs (and NCD_GKA_DOT_PRECISION fp16, bf16 or tf32) multiply 10-bit-mantissa operands (scaled
     # fp16 in the solve), and the solve's sensitivity to that rounding is about 2^-11 / ridge (kappa <= 1 + 1 /
-    # ridge), reached on a sequence's first tokens. fp32 inputs get fp32-class products (3xTF32) by default: their
+    # ridge), reached on a sequence's first tokens. fp32 inputs get fp32 products ("ieee") by default: their
     # error is the fp32 rounding's, 2^-24 / ridge, with a margin (measured per token on the interpreter: o 2e-5,
     # gradients up to 2.3e-4 for dg, whose reverse sum cancels).
     @property
