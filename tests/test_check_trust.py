@@ -201,3 +201,11 @@ def test_unclaimed_spec_is_an_error(run_cli, tmp_path):
         assert f"{path}:{last}:1: error[no-kernel-family]: no kernel family claims spec" in err
         assert "nothing was compiled or validated" in err and "attention" in err and "recurrence" in err
         assert "ok   syntax" in out and "ok   numerics" not in out
+
+
+def test_rational_draws_stay_off_the_kink_of_the_denominator(run_cli):
+    """Seed 703677875 once put an element's |u| (|u| ~ 1e6 at x ~ 28) within fp32 rounding of u = 0: the kernel's
+    fp32 sum landed on the other side of the kink than float64, d|u|/du flipped, and dB was 1.5e-4 off (PyTorch's
+    own fp32 evaluation of the same draw: 3.6e-8), failing a correct kernel. Draws now move x off such kinks."""
+    code, out, _ = run_cli("check", "--seed", "703677875", str(SPECS / "group_rational.ncd"))
+    assert code == 0 and "FAIL" not in out and "atomic / large" in out
