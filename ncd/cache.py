@@ -41,7 +41,7 @@ KEY_BYTES = 32
 MAC_SUFFIX = ".hmac"
 _IDENT = re.compile(r"[A-Za-z0-9_]{1,200}")  # op ids become file and module names
 _WHAT_TO_DO = "set NCD_CACHE_DIR (or pass cache_dir=) to a directory that you own and only you can write"
-_KEY_TODO = "set XDG_CACHE_HOME to a directory of yours (the cache key is kept in $XDG_CACHE_HOME/ncd)"
+_KEY_ADVICE = "set XDG_CACHE_HOME to a directory of yours (the cache key is kept in $XDG_CACHE_HOME/ncd)"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a planted FIFO must not block the open
 
@@ -115,7 +115,7 @@ def _load_key(root: Path) -> bytes:
         return _ephemeral_key(path, err)
     if not stat.S_ISDIR(st.st_mode):
         return _ephemeral_key(path, NotADirectoryError(errno.ENOTDIR, "not a directory"))
-    _check_private(root, st, "cache root", _KEY_TODO)
+    _check_private(root, st, "cache root", _KEY_ADVICE)
     try:
         for _ in range(3):
             found = _read_regular(path)
@@ -124,7 +124,7 @@ def _load_key(root: Path) -> bytes:
                 continue
             data, st = found
             if st.st_uid != os.geteuid():
-                _check_private(path, st, "cache key", _KEY_TODO)
+                _check_private(path, st, "cache key", _KEY_ADVICE)
             if st.st_mode & 0o077 or len(data) != KEY_BYTES:  # readable by others, or damaged: a fresh one
                 _create_key(path, replace=True)
                 continue

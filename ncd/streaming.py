@@ -144,7 +144,7 @@ def _continuous(f: sympy.Expr) -> bool:
 
     try:
         return bool(continuous_domain(f, X, sympy.S.Reals) == sympy.S.Reals)
-    except (NotImplementedError, ValueError, TypeError):
+    except (NotImplementedError, ValueError, TypeError):  # sympy cannot decide: not proven, so rejected
         return False
 
 
@@ -165,7 +165,7 @@ def _bounded(f: sympy.Expr) -> bool:
             return False
         fn = sympy.lambdify(X, f, "mpmath")
         return all(abs(fn(mpmath.mpf(v) / 8)) < BOUNDED for v in range(-8000, 8001, 7))
-    except (TypeError, ValueError, NotImplementedError, ZeroDivisionError, AttributeError):
+    except (TypeError, ValueError, NotImplementedError, ZeroDivisionError, AttributeError):  # undecided: rejected
         return False
 
 
