@@ -25,7 +25,6 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import jinja2
 
@@ -124,9 +123,8 @@ class AttentionKernelSpec:
 
 
 def _templates_loader() -> jinja2.BaseLoader:
-    source_dir = Path(__file__).resolve().parent.parent / "templates"
-    if (source_dir / TEMPLATE_NAME).is_file():
-        return jinja2.FileSystemLoader(str(source_dir))
+    """Templates load as package resources (`ncd.templates`), the same from a checkout, an editable install or
+    a wheel."""
     from importlib.resources import files
 
     return jinja2.FunctionLoader(lambda name: files("ncd.templates").joinpath(name).read_text("utf-8"))

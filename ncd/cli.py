@@ -1,1 +1,272 @@
-../cli.py
+"""The `ncd` command line: `ncd compile`, `ncd check`, `ncd --version`.
+
+Exit codes: 0 success, 1 the spec has errors, 2 usage errors (bad flags, unreadable file), 3 internal errors.
+No spec, however malformed, produces a Python traceback (set NCD_DEBUG=1 to see one for internal errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ncd import __version__
+from ncd.cache import CacheError
+from ncd.errors import NcdError, SpecSyntaxError
+from ncd.limits import MAX_AXIS_SIZE
+from ncd.pipeline import STAGES, FrontEnd, front_end
+from ncd.printer import format_ast, format_ir
+from ncd.settings import settings
+from ncd.source import LINE_END, Span
+
+EXIT_OK, EXIT_SPEC, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+class UsageError(Exception):
+    pass
+
+
+def _read_spec(path: str) -> tuple[str, str]:
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as err:
+        raise UsageError(f"cannot read spec {path}: {err.strerror or err}") from None
+    try:
+        return data.decode("utf-8"), str(p)
+    except UnicodeDecodeError as err:
+        before = LINE_END.split(data[:err.start].decode("utf-8", "replace"))  # the grammar's line ends
+        line, col = len(before), len(before[-1]) + 1
+        raise SpecSyntaxError(Span(str(p), line, col, line, col + 1),
+                              detail=f"the file is not UTF-8 text (byte 0x{data[err.start]:02x})",
+                              hint="save the spec as UTF-8") from None
+
+
+def _front_end(path: str) -> FrontEnd:
+    text, filename = _read_spec(path)
+    result = front_end(text, filename)
+    for warning in result.warnings:
+        print(warning.render(), file=sys.stderr)
+    return result
+
+
+def _bindings(pairs: Sequence[str]) -> dict[str, int]:
+    out = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if not name.isidentifier() or not value.isdigit() or len(value) > 10 or not 1 <= int(value) <= MAX_AXIS_SIZE:
+            raise UsageError(f"--bind takes AXIS=SIZE with an integer size from 1 to {MAX_AXIS_SIZE}, got {pair!r}")
+        out[name] = int(value)
+    return out
+
+
+def _stage_text(result: FrontEnd, stage: str, bindings: dict[str, int]) -> str:
+    from ncd import backend  # the back end pulls in sympy-heavy passes only when asked for
+
+    if stage == "ast":
+        return format_ast(result.module)
+    if stage == "ir":
+        return format_ir(result.program)
+    kernel_plan = backend.plan(result, bindings)
+    if stage == "plan":
+        return "\n".join(kernel_plan.describe())
+    return backend.generate(result, kernel_plan)
+
+
+_SUFFIX = {"ast": "ast.txt", "ir": "ir.txt", "plan": "plan.txt", "triton": "py"}
+
+
+def _default_stage(result: FrontEnd) -> str:
+    from ncd.backend import find_plan
+
+    return "triton" if find_plan(result) is not None else "ir"
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    result = _front_end(args.spec)
+    bindings = _bindings(args.bind or [])
+    stages = args.emit or [_default_stage(result)]
+    texts = [(stage, _stage_text(result, stage, bindings)) for stage in stages]
+    if args.output is None:
+        for _, text in texts:
+            print(text)
+        return EXIT_OK
+    out_dir = Path(args.output)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for stage, text in texts:
+            target = out_dir / f"{result.program.name}.{_SUFFIX[stage]}"
+            target.write_text(text + "\n", encoding="utf-8")
+            print(f"wrote {target}")
+    except OSError as err:
+        raise UsageError(f"cannot write to {out_dir}: {err.strerror or err}") from None
+    return EXIT_OK
+
+
+CHECKS = (
+    ("syntax", "the text parses with the ncd grammar"),
+    ("names", "every name is declared once, is a safe identifier, and is used (warnings for unused inputs)"),
+    ("axes", "every wire has declared axes with a fixed or call-time size; contractions, reductions, "
+             "broadcasts, relabels and indices agree in axis and size"),
+    ("structure", "definitions form an acyclic graph; normalize/scan/chebyshev_solve/basis are well formed"),
+    ("ir", "the IR verifier's invariants hold"),
+)
+BACK_END_CHECKS = (
+    ("plan", "a kernel family claims the spec and derives its plan (`--emit plan` shows the certificate)"),
+    ("codegen", "the generated Triton module parses and imports"),
+)
+
+
+def _device() -> str:
+    """The GPU if there is one; otherwise Triton's CPU interpreter (set before Triton is imported)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+        os.environ["TRITON_INTERPRET"] = "1"
+    return "cpu"
+
+
+KERNEL_FAMILIES = (
+    ("attention", "normalized-contraction attention: O = normalize(a(S), over key) . V with S = Q . K"),
+    ("rational", "group-wise rational activations of one input (KAT / FlashKAT)"),
+    ("polykan", "polynomial KAN layers: a basis recurrence of one input contracted with coefficients"),
+    ("recurrence", "gated outer-product recurrences read through a ridge solve (Gated KalmaNet)"),
+)
+
+
+class NoKernelFamily(NcdError):
+    code = "no-kernel-family"
+    template = "no kernel family claims spec '{name}', so nothing was compiled or validated"
+    hint_template = ("the front-end checks above passed; families that exist: {families}. `ncd compile "
+                     "--emit ir` prints the verified IR of any spec")
+
+
+def _unclaimed(result: FrontEnd) -> NoKernelFamily:
+    """The error for a spec no family claims, located at its (last) output."""
+    p = result.program
+    span = p.outputs[-1].span if p.outputs else None
+    families = "; ".join(f"{name} ({what})" for name, what in KERNEL_FAMILIES)
+    err = NoKernelFamily(span, name=p.name, families=families)
+    return err.with_source(result.source)  # type: ignore[return-value]
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from ncd.backend import find_plan
+
+    result = _front_end(args.spec)
+    p = result.program
+    print(f"{result.source.filename}: spec {p.name}: "
+          f"{len(p.axes)} axes, {len(p.inputs)} inputs, {len(p.params)} parameters, "
+          f"{len(p.definitions)} definitions, {len(p.outputs)} outputs")
+    for name, what in CHECKS:
+        print(f"  ok   {name:<10} {what}")
+    if find_plan(result) is None:
+        print("  --   numerics   not run: no kernel family claims this spec", flush=True)
+        raise _unclaimed(result)
+    device = _device()
+    import torch
+
+    import ncd
+    from ncd.validate import check_op, format_rows
+
+    op = ncd.load(args.spec)
+    for name, what in BACK_END_CHECKS:
+        print(f"  ok   {name:<10} {what}")
+    where = "GPU" if device == "cuda" else "CPU, Triton interpreter"
+    # bf16 runs on the interpreter too (Triton 3.9 here; the kernels upcast its dot operands there)
+    print(f"  ..   numerics   output and gradients against the float64 reference of the spec's IR ({where}; "
+          "every form the op dispatches to, fp32 and bf16, draws at several scales, odd sizes, NaN-poisoned "
+          "outputs; errors over the whole tensor and per row):", flush=True)
+
+    def show(case, report) -> None:
+        bad = [r for r in report if not r.ok]
+        worst = max(report, key=lambda r: r.margin)
+        size = "small sizes" if case.small else "full sizes"
+        print(f"       {'ok  ' if not bad else 'FAIL'} {case.label:<28} {case.dtype_name:<9} {size:<11} worst "
+              f"{worst.quantity}: {worst.error:.1e} / {worst.tolerance:.0e}, row {worst.row_error:.1e} / "
+              f"{worst.row_tolerance:.0e}", flush=True)
+
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    print(f"       (inputs drawn from seed {seed}: `ncd check --seed {seed}` repeats them)")
+    results = check_op(op, (torch.float32, torch.bfloat16), device, seed, on_case=show)
+    failed = [(case, report) for case, report in results if not all(r.ok for r in report)]
+    first_case, first = results[0]
+    print(f"     {first_case.label}, {first_case.dtype_name}:")
+    print("\n".join("     " + line for line in format_rows(first)))
+    for case, report in failed:
+        if case is not first_case:
+            print(f"     {case.label}, {case.dtype_name}:")
+            print("\n".join("     " + line for line in format_rows(report)))
+    notes = [note for _, report in results for note in report.notes]
+    print("".join(f"       note: {note}\n" for note in notes), end="")
+    print(f"  {'ok  ' if not failed else 'FAIL'} numerics   {len(results) - len(failed)} of {len(results)} cases "
+          "passed" + (": " + ", ".join(f"{c.label} ({c.dtype_name})" for c, _ in failed) + " failed"
+                      if failed else ""))
+    return EXIT_OK if not failed else EXIT_SPEC
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ncd", description="Compile neural circuit diagram specs.")
+    parser.add_argument("--version", action="version", version=f"ncd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    comp = sub.add_parser("compile", help="compile a spec and print (or write) a stage")
+    comp.add_argument("spec", help="path to a .ncd spec")
+    comp.add_argument("-o", "--output", metavar="DIR", help="write stages to DIR instead of stdout")
+    comp.add_argument("--emit", action="append", choices=STAGES,
+                      help="stage to emit (repeatable; default: triton where a kernel family matches, else ir)")
+    comp.add_argument("--bind", action="append", metavar="AXIS=SIZE",
+                      help="axis sizes the plan's cost estimate uses (repeatable)")
+    comp.set_defaults(run=cmd_compile)
+    check = sub.add_parser("check", help="check a spec, validate its generated op, and say what was checked")
+    check.add_argument("spec", help="path to a .ncd spec")
+    check.add_argument("--seed", type=int, metavar="N", help="draw the validation inputs from seed N (default: "
+                       "fresh random inputs; the seed used is printed)")
+    check.set_defaults(run=cmd_check)
+    return parser
+
+
+def _nesting_error(path: str) -> str:
+    """error[nesting] at the spec's most deeply nested construct (at least the file where it does not parse)."""
+    from ncd.errors import NestingTooDeep
+    from ncd.parser import deepest_span
+    from ncd.source import Source
+
+    detail = "the spec nests expressions too deeply to compile"
+    try:
+        source = Source(_read_spec(path)[0], path)
+    except (UsageError, NcdError):
+        return NestingTooDeep(Span(path, 1, 1, 1, 2), detail=detail).render()
+    span = deepest_span(source) or Span(path, 1, 1, 1, 2)
+    return NestingTooDeep(span, detail=f"{detail} (its most deeply nested expression is here)"
+                          ).with_source(source).render()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except NcdError as err:
+        print(err.render(), file=sys.stderr)
+        return EXIT_SPEC
+    except (UsageError, CacheError) as err:
+        print(f"ncd: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except RecursionError:  # the stages report their own (ncd.limits.symbolic_budget); this is the last resort
+        print(_nesting_error(args.spec), file=sys.stderr)
+        return EXIT_SPEC
+    except Exception as err:  # an ncd bug: say so briefly instead of dumping a traceback on the user
+        if settings().debug:
+            raise
+        print(f"ncd: internal error: {type(err).__name__}: {err}\n"
+              "  this is a bug in ncd; rerun with NCD_DEBUG=1 for the traceback", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -80,3 +80,13 @@ def test_package_data_comes_from_the_install(installed):
     assert str(bindir.parent) in location and str(ROOT) not in location
     assert int(grammar_chars) > 1000
     assert templates != "[]"
+
+
+def test_the_tree_has_no_symbolic_links():
+    """The package is laid out by setuptools' package-dir mapping, not links: links break on Windows checkouts,
+    in some archive tools and in sdists. `git ls-files -s` shows mode 120000 for a link."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (an installed copy has no index to read)")
+    listed = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    links = [line.split("\t", 1)[1] for line in listed.splitlines() if line.startswith("120000 ")]
+    assert not links, f"symbolic links in the tree: {links}"
