@@ -3,12 +3,16 @@ such as kernels whose tiles exceed a real device's shared memory at the shipped 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)"),
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiled kernels only: run "
+                                 "`pytest -m gpu`, which leaves Triton's interpreter off")]
 
 
 def _row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
