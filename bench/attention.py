@@ -17,7 +17,7 @@ Run on a CUDA machine, with ncd importable (installed, or the repository root on
 3. ``--breakdown N,...``: per-kernel CUDA times (torch.profiler) of one spherical fwd+bwd per form.
 4. ``--tiles "softmax:1:1024:fwd;spherical:1:1024:bwd+fused"``: forced-tile sweep of the streamed kernels
    (forward with and without TMA, the dK/dV and dQ kernels, the atomic-dQ fused kernel), then the
-   correctness check, then exit. The autotune sets in templates/attention.py.jinja come from it.
+   correctness check, then exit. The autotune sets in ncd/kernels/attention_config.py come from it.
 
 5. ``--dim 80``: every shape at another head dim (the specs' ``axis dim = 128`` replaced; SDPA at the same dim).
 
@@ -373,7 +373,8 @@ DQ_DS_TILES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (256, 64, 8, 3
 
 
 def _kernel(module, suffix):
-    return next(getattr(module, a) for a in dir(module) if a.endswith(suffix) and "fact" not in a)
+    owner = getattr(module, "KERNELS", module)  # the op's autotuners of ncd/kernels/attention.py, or (older) globals
+    return next(getattr(owner, a) for a in dir(owner) if a.endswith(suffix.lstrip("_")) and "fact" not in a)
 
 
 def _set_configs(module, suffix, configs):

@@ -25,6 +25,7 @@ these sizes, so its do_bench time moves with the host's speed and its kernel tim
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -44,6 +45,12 @@ RESULTS: dict[str, object] = {}
 
 def log(*args):
     print(*args, flush=True)
+
+
+def configure(module, **changes):
+    """Product precisions and tiles of the op: fields of its config (ncd/kernels/recurrence_config.py), which the
+    generated module holds as CONFIG."""
+    module.CONFIG = dataclasses.replace(module.CONFIG, **changes)
 
 
 def ms(fn, rep=100):
@@ -113,9 +120,9 @@ def check(module, failures, variants):
         f"{n} {e:.1e}" for n, e in zip(names, err32, strict=True)) + " (the fp32 reference)")
     for variant in variants:
         dot, grad = (None if p in ("", "default") else p for p in [*variant.split(":"), ""][:2])
-        module.DOT_PRECISION, module.GRAD_PRECISION = dot, grad
+        configure(module, dot_precision=dot, grad_precision=grad)
         o, grads = grads_of(lambda *t: module.chunk(*t)[0], inputs, do)
-        module.DOT_PRECISION = module.GRAD_PRECISION = None
+        configure(module, dot_precision=None, grad_precision=None)
         errs = [rel(a, b) for a, b in zip((o, *grads), (ref, *ref_grads), strict=True)]
         RESULTS[f"check chunked {variant}"] = dict(zip(names, errs, strict=True))
         bad = [n for n, e in zip(names, errs, strict=True) if not e <= (1e-2 if n == "o" else 3e-2)]
@@ -144,17 +151,17 @@ def measure(module, inputs, r, naive):
         o, _ = naive_gka(*leaves, num_iter=r)
         torch.autograd.grad(o, leaves, do)
 
-    module.DOT_PRECISION = None  # the default: scaled fp16 products in the solve (and its output epilogue)
+    configure(module, dot_precision=None)  # the default: by input dtype (bf16: scaled fp16 products in the solve)
     cell["fwd"] = ms(lambda: module.chunk(*inputs, num_iter=r))
     cell["fwd_kernels"] = sum(us for us, _ in kernel_times(lambda: module.chunk(*inputs, num_iter=r)).values()) / 1e3
     cell["fb"] = ms(ncd_step)  # the default backward: fp16x3 products (split operands)
-    module.GRAD_PRECISION = "tf32"
+    configure(module, grad_precision="tf32")
     cell["fb_tf32"] = ms(ncd_step)
-    module.GRAD_PRECISION = None
+    configure(module, grad_precision=None)
     for prec in ("tf32", "bf16"):
-        module.DOT_PRECISION = prec
+        configure(module, dot_precision=prec)
         cell[f"fwd_{prec}"] = ms(lambda: module.chunk(*inputs, num_iter=r))
-    module.DOT_PRECISION = None
+    configure(module, dot_precision=None)
     cell["chunked_fwd"] = ms(lambda: chunked_gka(*inputs, num_iter=r), rep=20)
     cell["chunked_fb"] = ms(chunked_step, rep=20)
     if naive:
@@ -165,17 +172,16 @@ def measure(module, inputs, r, naive):
 def profile(module, ts, rs, layouts, grads, backward=True):
     """Per-kernel CUDA time (us per call, mean of 10 calls) of fla GDN's forward and ncd's forward and
     forward+backward at each (T, r), for each layout "ROWSxCOLSxWARPS/BV" (the scans' tile and warps, both scans;
-    the value columns per block of the solve's output) and each backward product precision (module GRAD_PRECISION)."""
+    the value columns per block of the solve's output) and each backward product precision (config grad_precision)."""
     for layout in layouts:
         tile, bv = layout.split("/")
         ba, bb, warps = (int(x) for x in tile.split("x"))
-        module.SCAN_TILES = {"fwd": (ba, bb, warps), "bwd": (ba, bb, warps)}
-        module.OUTPUT_BV = int(bv)
+        configure(module, scan_tiles_fwd=(ba, bb, warps), scan_tiles_bwd=(ba, bb, warps), output_bv=int(bv))
         for grad in grads:
-            module.GRAD_PRECISION = None if grad == "default" else grad
+            configure(module, grad_precision=None if grad == "default" else grad)
             log(f"scan tile {tile}, output BV {bv}, backward products {grad}")
             _profile(module, ts, rs, backward)
-    module.GRAD_PRECISION = None
+    configure(module, grad_precision=None)
 
 
 def kernel_times(step, calls=10):
@@ -225,7 +231,7 @@ def main():
     parser.add_argument("--rs", default="10,30")
     parser.add_argument("--no-naive", action="store_true")
     parser.add_argument("--variants", default="default,default:tf32",
-                        help="product precisions checked at T 2048: DOT[:GRAD] (module DOT_PRECISION, GRAD_PRECISION)")
+                        help="product precisions checked at T 2048: DOT[:GRAD] (config dot_precision, grad_precision)")
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--layouts", default="64x64x4/64",
                         help="--profile: layouts to compare, scan tile ROWSxCOLSxWARPS / output BV")
@@ -233,7 +239,7 @@ def main():
                         help="per-kernel times of ncd's forward and backward (and fla GDN's forward), then exit")
     parser.add_argument("--forward-only", action="store_true", help="--profile: the forward alone")
     parser.add_argument("--grads", default="default",
-                        help="--profile: backward product precisions to compare (module GRAD_PRECISION)")
+                        help="--profile: backward product precisions to compare (config grad_precision)")
     args = parser.parse_args()
     ts = [int(t) for t in args.ts.split(",")]
     rs = [int(r) for r in args.rs.split(",")]

@@ -443,6 +443,11 @@ def main() -> int:
 
 
 def _kernel(module, suffix):
+    """The autotuned kernel: the module's `_KERNELS.fwd`/`.bwd` (static kernels), else its `_..._fwd` global (older
+    generated modules, which held the kernel text)."""
+    kernels = getattr(module, "_KERNELS", None)
+    if kernels is not None:
+        return getattr(kernels, suffix.lstrip("_"))
     return next(getattr(module, n) for n in dir(module) if n.endswith(suffix) and n.startswith("_"))
 
 

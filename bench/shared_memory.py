@@ -5,11 +5,18 @@ kernel's arguments, then compiles each kernel for `GPUTarget("cuda", 90, 128)` w
 wheel, and prints the shared memory each needs against the H100's 232,448 bytes per block. The product precision
 is the op's default for the dtype unless --prec names one for every kernel that takes PREC.
 
-    python bench/shared_memory.py [--dtype float32|bfloat16] [--prec ieee|tf32x3|...] [--all-configs]
+    python bench/shared_memory.py [--dtype float32|bfloat16] [--prec ieee|tf32x3|...] [--all-configs] [--dump DIR]
+
+--dump writes each kernel's TTGIR and PTX with source locations and the PTX's DWARF sections stripped, so that two
+trees' kernels can be diffed (PYTHONPATH selecting the tree). The kernels live in ncd/kernels/recurrence.py, the spec's
+scalings come from the generated module as constexpr device functions (recorded by name).
 
 Measured (2026-11-25, Triton 3.9 here): fp32 inputs with tf32x3 products put `_solve` at 262,144 bytes, exactly
 what the H100 (Triton 3.6) reported when it refused the launch; with ieee products (the default) at 147,456.
 A fresh Triton cache takes about 2 minutes for the ten kernels of one configuration each.
+Issue 31 (static kernels with the spec's hooks as constexprs, 2026-11-25): the same shared memory as the templated
+kernels for every kernel (fp32 inputs: 147,456 B at most; bf16: 98,304 B), and the same TTGIR and PTX code (the PTX
+compared up to its DWARF sections, which name the source files) at both dtypes.
 """
 
 from __future__ import annotations
@@ -35,8 +42,26 @@ POINTER = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf1
 
 
 def _describe(value):
-    """A launch argument as JSON: tensors by dtype (they become pointers), the rest as they are."""
-    return {"tensor": str(value.dtype).removeprefix("torch.")} if isinstance(value, torch.Tensor) else value
+    """A launch argument as JSON: tensors by dtype (they become pointers), device functions (the spec's hooks,
+    constexprs) by name, the rest as they are."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": str(value.dtype).removeprefix("torch.")}
+    if callable(value):  # a JIT function (under the interpreter, an InterpretedFunction)
+        return {"jit": getattr(value, "__name__", None) or value.fn.__name__}
+    return value
+
+
+def _kernels(module):
+    """Where the kernels live: the static module the generated one calls (ncd/kernels/recurrence.py)."""
+    return getattr(module, "_kernels", module)
+
+
+def _resolve(value, module):
+    """A recorded argument back as a launch takes it: a device function by name from the generated module (the
+    spec's hooks) or the kernels' module."""
+    if isinstance(value, dict) and "jit" in value:
+        return getattr(module, value["jit"], None) or getattr(_kernels(module), value["jit"])
+    return value
 
 
 def record(dtype: torch.dtype, path: str) -> None:
@@ -44,7 +69,8 @@ def record(dtype: torch.dtype, path: str) -> None:
     `_solve_out`), written to `path` as JSON."""
     module = load(shipped_spec("gka"), sizes={"kdim": 128, "vdim": 128}).module
     seen: dict[str, tuple[tuple, dict]] = {}
-    fast = module._fast
+    kernels = _kernels(module)
+    fast = kernels._fast
 
     def spy(kernel):
         launcher = fast(kernel)
@@ -60,7 +86,7 @@ def record(dtype: torch.dtype, path: str) -> None:
                 return call
         return Grid()
 
-    module._fast = spy
+    kernels._fast = spy
     try:
         torch.manual_seed(0)
         b, t, h, d = 1, 70, 1, 128
@@ -71,7 +97,7 @@ def record(dtype: torch.dtype, path: str) -> None:
         leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
         module.chunk(*leaves)[0].float().sum().backward()
     finally:
-        module._fast = fast
+        kernels._fast = fast
     with open(path, "w") as handle:
         json.dump({name: ([_describe(a) for a in a_], {k: _describe(v) for k, v in kw.items()})
                    for name, (a_, kw) in seen.items()}, handle)
@@ -103,11 +129,28 @@ def compile_for_hopper(kernel, args: tuple, kwargs: dict, prec: str | None, conf
     return triton.compile(ASTSource(jit, signature, constants), target=GPUTarget("cuda", 90, 128), options=config)
 
 
+def _dump(folder: str, stem: str, compiled) -> None:
+    """The kernel's TTGIR and PTX without source locations and the PTX's DWARF sections (file names and line
+    numbers differ between trees)."""
+    os.makedirs(folder, exist_ok=True)
+    for ext in ("ttgir", "ptx"):
+        lines = []
+        for line in compiled.asm[ext].splitlines():
+            if line.lstrip().startswith(".section") and ".debug" in line:
+                break
+            if not line.lstrip().startswith((".loc", ".file", "#loc", "$L__")):
+                lines.append(line)
+        text = "\n".join(line.split(" loc(")[0] for line in lines)
+        with open(os.path.join(folder, f"{stem}.{ext}"), "w") as handle:
+            handle.write(text + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--prec", default=None, help="one product precision for every kernel with PREC")
     parser.add_argument("--all-configs", action="store_true", help="num_warps 4 and 8, num_stages 1 and 2")
+    parser.add_argument("--dump", metavar="DIR", help="write each kernel's TTGIR and PTX there (to diff two trees)")
     parser.add_argument("--record", metavar="JSON", help=argparse.SUPPRESS)  # the interpreter run (internal)
     args = parser.parse_args()
     if args.record:
@@ -125,10 +168,14 @@ def main() -> None:
                else [{"num_warps": 4, "num_stages": 1}])
     worst = 0
     for name, (kargs, kwargs) in sorted(seen.items()):
-        kernel = getattr(module, name.removesuffix("_out"))
+        kernel = getattr(_kernels(module), name.removesuffix("_out"))
+        kwargs = {key: _resolve(value, module) for key, value in kwargs.items()}
         launch = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
         for config in [launch] if launch else configs:
-            shared = compile_for_hopper(kernel, kargs, kwargs, args.prec, config).metadata.shared
+            compiled = compile_for_hopper(kernel, kargs, kwargs, args.prec, config)
+            shared = compiled.metadata.shared
+            if args.dump:
+                _dump(args.dump, f"{name}_w{config.get('num_warps')}s{config.get('num_stages')}", compiled)
             worst = max(worst, shared)
             prec = args.prec if args.prec and "PREC" in kwargs else kwargs.get("PREC", "-")
             print(f"{name:18s} PREC {prec!s:7s} {config}  shared {shared:7d} B  "

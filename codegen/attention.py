@@ -1,41 +1,28 @@
-"""Code generation for normalized-contraction attention kernels (forward + backward).
+"""Code generation for normalized-contraction attention: the generated module holds only what the spec decides.
 
-The compiler's passes lower a spec to an :class:`AttentionKernelSpec` (strings of Triton
-expressions for the scalar maps a1, a2, b and their derivatives, plus a few flags), and
-:func:`render_attention_module` splices them into ``templates/attention.py.jinja``, which renders
-one self-contained Python module holding the Triton kernels, host launchers and a
-``torch.autograd.Function``.
+The kernels are static (ncd/kernels/attention.py, ncd/kernels/attention_chunked.py). The compiler lowers a spec to
+an :class:`AttentionKernelSpec` (Triton expressions for the scalar maps a1, a2, b and their derivatives, printed
+from sympy, plus flags), and :func:`render_attention_module` writes, with `# spec.ncd:LINE` origins:
 
-The maths (``s_ij = scale * q_i . k_j``, optional causal mask, optional per-key weight ``w_j``)::
+- the maps as ``@triton.jit`` device functions, which the static kernels take as ``tl.constexpr`` arguments;
+- the plan's :class:`AttentionConfig` as a literal (tiles, precisions, accumulation, modes, factorized form);
+- the run-time switches tests flip, and one ``AttentionKernels`` (the launchers) built from the above, whose
+  methods are the module's ``forward`` / ``backward`` API.
 
-    z_i     = sum_j w_j a2(s_ij)
-    o_i     = sum_j w_j a1(s_ij) v_j / b(z_i)
-    dV_j    = sum_i w_j a1(s_ij) / b(z_i) dO_i
-    delta_i = (dO_i . o_i) b'(z_i) / b(z_i)
-    dS_ij   = w_j [a1'(s_ij) (dO_i . v_j) / b(z_i) - a2'(s_ij) delta_i]
-    dQ      = scale dS K,  dK = scale dS^T Q
-
-With ``online_max`` the kernels evaluate a1, a2 at ``s - m`` for a running row max ``m`` (valid
-when a1, a2 are exponentials and b is homogeneous of the matching degree) and rescale the
-accumulators by ``a1(m_old - m_new)`` and ``a2(m_old - m_new)``.
+``_environment`` (the Jinja environment of the templates that remain) is shared with the other families' codegen.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jinja2
 
 from ncd.factorize import Factorization
-
-TEMPLATE_NAME = "attention.py.jinja"
-
-# Origin labels with a fixed place in the generated code; any other label is listed in the header.
-ORIGIN_SITES = ("a1", "a2", "da1", "da2", "b", "db_over_b", "online_max", "causal", "weight", "scale", "factorized",
-                "pre", "dpre")
-CHUNKED_TEMPLATE_NAME = "attention_chunked.py.jinja"
+from ncd.kernels.attention_config import AttentionConfig
 
 # Names an expression may use besides its free variable.
 _ALLOWED_NAMES = {"tl", "math"}
@@ -59,11 +46,6 @@ def _check_expression(field: str, text: str, var: str) -> None:
             )
         if isinstance(node, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
             raise AttentionSpecError(f"{field}: unsupported construct in {text!r}")
-
-
-def _same_expression(text: str, other: str) -> bool:
-    """Equal as Python expressions (spacing and redundant parentheses ignored)."""
-    return ast.dump(ast.parse(text.strip(), mode="eval")) == ast.dump(ast.parse(other, mode="eval"))
 
 
 def _uses_name(text: str, var: str) -> bool:
@@ -91,7 +73,7 @@ class AttentionKernelSpec:
     origin: tuple[tuple[str, str], ...] = ()  # (label, "spec.ncd:LINE") pairs
     # forward autotune set (BLOCK_M, BLOCK_N, num_warps, num_stages), from the plan's cost ranking;
     # empty: the template's measured default list
-    forward_configs: tuple[tuple[int, int, int, int], ...] = ()
+    forward_configs: tuple[tuple[int, ...], ...] = ()
     # stabiliser pre-map t = pre(s) of the scaled score and its derivative (the maps a1, a2 take t; the backward
     # multiplies dS by dpre(s)); "" when a1, a2 take s itself
     pre: str = ""
@@ -110,8 +92,8 @@ class AttentionKernelSpec:
             if getattr(self, field):
                 _check_expression(field, getattr(self, field), "x")
         for config in self.forward_configs:
-            if len(config) != 4 or not all(isinstance(v, int) and v > 0 for v in config):
-                raise AttentionSpecError(f"forward configs are 4 positive ints, got {config!r}")
+            if len(config) not in (4, 5) or not all(isinstance(v, int) and v >= 0 for v in config) or 0 in config[:4]:
+                raise AttentionSpecError(f"forward configs are 4 positive ints (and HEADS_FAST), got {config!r}")
         for pair in self.origin:
             if len(pair) != 2 or not all(isinstance(p, str) and "\n" not in p for p in pair):
                 raise AttentionSpecError(f"origin entries must be (label, location) string pairs: {pair!r}")
@@ -141,12 +123,6 @@ def _environment() -> jinja2.Environment:
     )
 
 
-def _device_function(fn_name: str, var: str, expr: str, doc: str) -> dict[str, str]:
-    """One tiny ``@triton.jit`` function ``fn_name(var) -> expr``; constants are broadcast to var's shape."""
-    body = expr if _uses_name(expr, var) else f"tl.full({var}.shape, {expr}, tl.float32)"
-    return {"name": fn_name, "var": var, "body": body, "doc": doc}
-
-
 def _origins(spec: AttentionKernelSpec) -> tuple[dict[str, list[str]], Callable[[str], str]]:
     origin: dict[str, list[str]] = {}
     for label, loc in spec.origin:
@@ -159,54 +135,139 @@ def _origins(spec: AttentionKernelSpec) -> tuple[dict[str, list[str]], Callable[
     return origin, origin_comment
 
 
-def render_attention_module(spec: AttentionKernelSpec, factorization: Factorization | None = None) -> str:
-    """Render the generated Python module (source text) for ``spec``; with ``factorization`` (a1, a2
-    polynomials of degree <= 1, <= 2) the module also holds the factorized form's kernels
-    (``templates/attention_chunked.py.jinja``): ``forward_factorized`` / ``backward_factorized``."""
-    origin, origin_comment = _origins(spec)
-
-    prefix = f"_{spec.name}"
-    same_a = spec.a1.strip() == spec.a2.strip() and spec.da1.strip() == spec.da2.strip()
-    # a1 = a2 = a1' = a2' = exp with the running max: the kernels evaluate exp2 with log2(e) folded into the
-    # scale (one FFMA and one MUFU.EX2 per score) instead of the spliced tl.exp.
-    # (not with a pre-map: the score goes through h before the exponential)
-    exp2 = spec.online_max and not spec.pre and all(
-        _same_expression(getattr(spec, f), "tl.exp(x)") for f in ("a1", "a2", "da1", "da2"))
-    functions = [
-        _device_function(f"{prefix}_a1", "x", spec.a1, "a1: numerator map"),
-        _device_function(f"{prefix}_a2", "x", spec.a2, "a2: normaliser map"),
-        _device_function(f"{prefix}_da1", "x", spec.da1, "a1'"),
-        _device_function(f"{prefix}_da2", "x", spec.da2, "a2'"),
-        _device_function(f"{prefix}_b", "z", spec.b, "b: applied to the row normaliser z"),
-        _device_function(f"{prefix}_db_over_b", "z", spec.db_over_b, "b'(z) / b(z)"),
-    ]
-    labels = ["a1", "a2", "da1", "da2", "b", "db_over_b"]
+def _header(spec: AttentionKernelSpec, all_origins: list[tuple[str, list[str]]]) -> list[str]:
+    w = "w_j " if spec.has_weight else ""
+    lines = ["# Generated by ncd from a neural-circuit-diagram spec. Do not edit: regenerate instead.", "#",
+             f'# Normalized-contraction attention "{spec.name}"', "# (kernels: ncd/kernels/attention*.py):",
+             "#   s_ij = scale * q_i . k_j" + (", key j visible to query i iff j <= i" if spec.causal else ""),
+             f"#   z_i  = sum_j {w}a2(s_ij),  o_i = sum_j {w}a1(s_ij) v_j / b(z_i)",
+             f"#   a1(x) = {spec.a1}", f"#   a2(x) = {spec.a2}", f"#   b(z)  = {spec.b}",
+             f"#   online max rescaling: {'on' if spec.online_max else 'off'}"]
     if spec.pre:
-        functions += [_device_function(f"{prefix}_pre", "x", spec.pre, "h: stabiliser pre-map of the score"),
-                      _device_function(f"{prefix}_dpre", "x", spec.dpre, "h'")]
-        labels += ["pre", "dpre"]
-    for fn, label in zip(functions, labels, strict=True):
-        fn["origin"] = origin_comment(label)
-    other_origins = [(label, locs) for label, locs in origin.items() if label not in ORIGIN_SITES]
+        lines.append(f"#   pre-map (stabiliser): a1, a2 take t = h(s_ij), h(x) = {spec.pre}; the running max is of t")
+    if all_origins:
+        lines += ["#", "# Origins:", *(f"#   {label}: {', '.join(locs)}" for label, locs in all_origins)]
+    return lines
 
-    template = _environment().get_template(TEMPLATE_NAME)
-    text = template.render(
-        spec=spec,
-        p=prefix,
-        functions=functions,
-        same_a=same_a,
-        exp2=exp2,
-        forward_configs=[list(c) for c in spec.forward_configs],
-        origin_comment=origin_comment,
-        all_origins=list(origin.items()),
-        other_origins=other_origins,
-    )
+
+def _coefficients(f: Factorization) -> tuple[float, ...]:
+    """(c0, c1, e0, e1, e2): a1 = c0 + c1 s, a2 = e0 + e1 s + e2 s^2."""
+    return (f.c0, f.c1, f.e0, f.e1, f.e2)
+
+
+def _config_literal(config: AttentionConfig) -> str:
+    """`AttentionConfig(...)` with every field that differs from the default, one per line."""
+    defaults = AttentionConfig()
+    lines = ["CONFIG = AttentionConfig("]
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value == getattr(defaults, field.name):
+            continue
+        line = f"    {field.name}={value!r},"
+        if len(line) > 116 and isinstance(value, tuple):  # a long autotune set: one tile a line
+            line = "\n".join([f"    {field.name}=(", *(f"        {item!r}," for item in value), "    ),"])
+        lines.append(line)
+    return "\n".join([*lines, ")"])
+
+
+def spec_config(spec: AttentionKernelSpec, factorization: Factorization | None = None) -> AttentionConfig:
+    """The config the plan would give `spec` (ncd/attention.py: attention_config); tests override fields of it."""
+    from ncd.attention import KernelMaps, attention_config
+
+    maps = KernelMaps(spec.a1, spec.a2, spec.da1, spec.da2, spec.b, spec.db_over_b, spec.pre, spec.dpre)
+    return attention_config(maps, spec.online_max, spec.forward_configs, factorization)
+
+
+def render_attention_module(spec: AttentionKernelSpec, factorization: Factorization | None = None,
+                            config: AttentionConfig | None = None) -> str:
+    """Render the generated Python module (source text) for ``spec``: its device functions, its config and the
+    calls into ncd/kernels/attention.py; with ``factorization`` (a1, a2 polynomials of degree <= 1, <= 2) the
+    kernels also hold the factorized form (ncd/kernels/attention_chunked.py): ``forward_factorized`` /
+    ``backward_factorized``."""
+    if factorization is not None and spec.online_max:
+        raise AttentionSpecError("the factorized form needs polynomial maps (no running max)")
+    origin, origin_comment = _origins(spec)
+    if config is None:
+        config = spec_config(spec, factorization)
+    functions = [("a1", "x", spec.a1, "a1: numerator map"), ("a2", "x", spec.a2, "a2: normaliser map"),
+                 ("da1", "x", spec.da1, "a1'"), ("da2", "x", spec.da2, "a2'"),
+                 ("b", "z", spec.b, "b: applied to the row normaliser z"),
+                 ("db_over_b", "z", spec.db_over_b, "b'(z) / b(z)")]
+    if spec.pre:
+        functions += [("pre", "x", spec.pre, "h: stabiliser pre-map of the score"), ("dpre", "x", spec.dpre, "h'")]
+    uses_tl = any(_uses_name(expr, "tl") or not _uses_name(expr, var) for _, var, expr, _ in functions)
+    lines = [*_header(spec, list(origin.items())),
+             f'"""Normalized-contraction attention "{spec.name}" (generated by ncd).', "", MODULE_API, '"""', "",
+             "import math as math  # (a re-export: spliced expressions and the op's scale may use it)", "",
+             "import torch", "import triton", *(["import triton.language as tl"] if uses_tl else []), "",
+             "from ncd.kernels import attention as _kernels",
+             *(["from ncd.kernels import attention_chunked as _chunked"] if factorization is not None else []),
+             "from ncd.kernels.attention import AttentionConfig", "",
+             f'NAME = "{spec.name}"', f"ONLINE_MAX = {spec.online_max}", _config_literal(config)]
+    for label, var, expr, doc in functions:
+        expr = ast.unparse(ast.parse(expr.strip(), mode="eval"))  # the same tree, without redundant parentheses
+        body = expr if _uses_name(expr, var) else f"tl.full({var}.shape, {expr}, tl.float32)"
+        ret = f"    return {body}"
+        if len(ret + origin_comment(label)) <= 120:
+            ret, doc = ret + origin_comment(label), doc
+        else:  # the origin on the comment line above
+            doc = doc + origin_comment(label).replace("  #", ";", 1)
+        lines += ["", "", "@triton.jit", f"def _{label}({var}):", f"    # {doc}", ret]
+    hooks = [f'    "{label.upper()}": _{label},' for label, *_ in functions]
+    kernels = "_chunked.FactorizedAttentionKernels" if factorization else "_kernels.AttentionKernels"
+    coefficients = [] if factorization is None else [
+        f"    coefficients={_coefficients(factorization)},{origin_comment('factorized')}"]
+    lines += ["", "", RUNTIME_SWITCHES, "MAPS = {", *hooks, "}", f"KERNELS = {kernels}(",
+              "    NAME, CONFIG, MAPS, globals(),", f"    causal={spec.causal},{origin_comment('causal')}",
+              f"    has_weight={spec.has_weight},{origin_comment('weight')}", *coefficients, ")", PUBLIC_API]
     if factorization is not None:
-        if spec.online_max:
-            raise AttentionSpecError("the factorized form needs polynomial maps (no running max)")
-        text += _environment().get_template(CHUNKED_TEMPLATE_NAME).render(
-            spec=spec, p=prefix, f=factorization, need_vec=bool(factorization.c0 or factorization.e1),
-            origin_comment=origin_comment,
-        )
-    ast.parse(text)  # the template must always produce valid Python
+        need_vec = bool(factorization.c0 or factorization.e1)
+        lines += ["", "", f"FACT_CAUSAL = {spec.causal}", f"FACT_NEED_VEC = {need_vec}",
+                  f"FACT_MAX_HEAD_DIM = {factorization.max_head_dim}", FACTORIZED_API]
+    text = "\n".join(lines) + "\n"
+    ast.parse(text)  # the renderer must always produce valid Python
     return text
+
+
+# Fixed text of every generated attention module (no spec text reaches it).
+MODULE_API = """Public API:
+    forward(q, k, v, w=None, scale=None) -> (o, stats)
+    backward(do, q, k, v, o, stats, w=None, scale=None) -> (dq, dk, dv)
+    Attention.apply(q, k, v, w, scale) -> o            (torch.autograd.Function)
+    attention(q, k, v, w=None, scale=None) -> o         (same, with defaults)
+
+Shapes: q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D] with Hq % Hkv == 0; w [B, Nk] float32 per-key multiplicity. D is
+any head dim (the kernels run at a power-of-two tile of it, `head_tile`, with the extra columns masked). fp16 / bf16
+/ fp32 inputs, fp32 accumulation, outputs in the input dtype. stats = (z, m): float32 [B, Hq, Nq] row normalisers
+and row maxima (None when online rescaling is off). A row with z_i = 0 (a masked row) has output 0 and passes no
+gradient (FlexAttention's convention; docs/language.md)."""
+
+RUNTIME_SWITCHES = """# Run-time switches, read at each call; they start at CONFIG's values.
+# POISON_OUTPUTS (tests set it) fills every output buffer with NaN before the kernels write it.
+POISON_OUTPUTS = False
+DETERMINISTIC_BWD = CONFIG.deterministic_bwd
+DS_BUFFER_BYTES = CONFIG.ds_buffer_bytes
+DS_BULK_STORE = CONFIG.ds_bulk_store
+USE_TMA = CONFIG.use_tma"""
+
+PUBLIC_API = """forward = KERNELS.forward
+backward = KERNELS.backward
+backward_from_saved = KERNELS.backward_from_saved
+weight_gradient = KERNELS.weight_gradient
+head_tile = _kernels.head_tile
+_save_for_backward = _kernels.save_for_backward
+_saved_backward = KERNELS.saved_backward
+_tma_ok = KERNELS.tma_ok
+Attention: type[torch.autograd.Function] = KERNELS.autograd_function()
+
+
+def attention(q, k, v, w=None, scale=None):
+    return Attention.apply(q, k, v, w, scale)"""
+
+FACTORIZED_API = """CHUNK = KERNELS.default_chunk  # keys per causal chunk (read at each call)
+forward_factorized = KERNELS.forward_factorized
+backward_factorized = KERNELS.backward_factorized
+factorized_backward_from_saved = KERNELS.factorized_backward_from_saved
+FactorizedAttention: type[torch.autograd.Function] = KERNELS.autograd_function(
+    "forward_factorized", "factorized_backward_from_saved"
+)"""

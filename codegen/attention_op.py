@@ -1,5 +1,6 @@
 """Render the complete generated module for an attention spec: kernels (attention.py.jinja) followed by the
-PyTorch op (attention_op.py.jinja). Only checked identifiers and numbers from the IR reach the text."""
+PyTorch op (attention_op.py.jinja: a description of the op for ncd/op_runtime/attention.py and the function
+named after the spec). Only checked identifiers and numbers from the IR reach the text."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sympy
 from ncd import ir
 from ncd.attention import AttentionRoles, KernelMaps
 from ncd.factorize import Factorization
+from ncd.kernels.attention_config import AttentionConfig
 from ncd.source import origin_name
 from ncd.streaming import Certificate
 from ncd.symbolic import to_sympy
@@ -18,7 +20,7 @@ from .attention import AttentionKernelSpec, _environment, render_attention_modul
 
 
 def kernel_spec(name: str, cert: Certificate, roles: AttentionRoles, maps: KernelMaps,
-                program: ir.Program, forward_configs: tuple[tuple[int, int, int, int], ...] = (),
+                program: ir.Program, forward_configs: tuple[tuple[int, ...], ...] = (),
                 factorized: bool = False) -> AttentionKernelSpec:
     norm_line = cert.span.origin
     out_line = program.tensor(roles.output).span.origin
@@ -63,10 +65,10 @@ def _scale_grad_inputs(roles: AttentionRoles) -> list[str]:
 
 
 def render_attention_op(program: ir.Program, cert: Certificate, roles: AttentionRoles, maps: KernelMaps,
-                        op_id: str, forward_configs: tuple[tuple[int, int, int, int], ...] = (),
-                        factorization: Factorization | None = None) -> str:
+                        op_id: str, forward_configs: tuple[tuple[int, ...], ...] = (),
+                        factorization: Factorization | None = None, config: AttentionConfig | None = None) -> str:
     spec = kernel_spec(op_id, cert, roles, maps, program, forward_configs, factorization is not None)
-    kernels = render_attention_module(spec, factorization)
+    kernels = render_attention_module(spec, factorization, config)
     inputs = program.inputs
     params: list[str] = []
     tensor_inputs, scalar_inputs = [], []
@@ -86,22 +88,19 @@ def render_attention_op(program: ir.Program, cert: Certificate, roles: Attention
         "v": tuple(spec_axes[roles.value].index(a) for a in roles.v_axes),
         "o_inverse": tuple(roles.o_axes.index(a) for a in o_axes),
     }
-    weight_expr = ""
+    weight_layout = ""  # the weight as [batch key]: the batch axis's name (a [key] weight is shared) or a permutation
     if roles.weight is not None:
         assert roles.weight_axes is not None
         batch, key = roles.weight_axes
         w_axes = spec_axes[roles.weight]
-        if w_axes == (key,):
-            weight_expr = f'{roles.weight}.unsqueeze(0).expand(_sizes["{batch}"], -1)'
-        else:
-            weight_expr = f"{roles.weight}.permute({tuple(w_axes.index(a) for a in (batch, key))})"
+        weight_layout = repr(batch) if w_axes == (key,) else repr(tuple(w_axes.index(a) for a in (batch, key)))
     axes_table = {a.name: (a.fixed, a.factors) for a in program.axes}
     scale_expr = roles.scale if isinstance(roles.scale, str) else repr(roles.scale)
     wrapper = _environment().get_template("attention_op.py.jinja").render(
         spec_name=program.name, origin_file=origin_name(program.source.filename), op_id=op_id,
         params=params, signature=", ".join(params), axes_table=repr(axes_table), tensor_inputs=tensor_inputs,
         scalar_inputs=scalar_inputs, scalar_names=[t.name for t in inputs if not t.axes], roles=roles,
-        scale_grad_inputs=_scale_grad_inputs(roles), perms=perms, weight_expr=weight_expr, scale_expr=scale_expr,
+        scale_grad_inputs=_scale_grad_inputs(roles), perms=perms, weight_layout=weight_layout, scale_expr=scale_expr,
         output=roles.output, output_axes=o_axes, factorization=factorization, norm_origin=cert.span.origin,
         origins={"output": program.tensor(roles.output).span.origin, "weight": dict(spec.origin).get("weight", "")},
     )

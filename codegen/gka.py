@@ -1,10 +1,13 @@
-"""Code generation for the recurrence family (Gated KalmaNet): the chunked kernels (templates/gka.py.jinja) then
-the PyTorch op (templates/gka_op.py.jinja). Spec-derived pieces are the per-token scalings and their derivatives
-(sympy, printed for Triton), the ridge, the iteration count, the contraction rate and the scale default."""
+"""Code generation for the recurrence family (Gated KalmaNet): the spec's hooks and config for the static kernels
+of ncd/kernels/recurrence.py (templates/gka.py.jinja), then the PyTorch op (templates/gka_op.py.jinja).
+Spec-derived pieces are the per-token scalings and their derivatives (sympy, printed as Triton device functions),
+the contraction rate, the plan's config (ridge, iteration count, output factor, precisions, tiles) and the scale
+default."""
 
 from __future__ import annotations
 
 import ast
+from dataclasses import fields
 
 import sympy
 
@@ -33,13 +36,14 @@ def render_gka_module(program: ir.Program, plan: RecurrencePlan, op_id: str) -> 
     env = _environment()
     ks, vs = plan.key_scale, plan.value_scale
     rho_python = sympy.pycode(plan.rho.subs(RIDGE, sympy.Symbol("a")))
+    config = plan.config
     kernels = env.get_template("gka.py.jinja").render(
         spec_name=program.name, origin_file=origin_name(program.source.filename), roles=r,
-        origins=plan.origins, ridge=repr(plan.ridge), iterations=plan.iterations,
+        origins=plan.origins, config_repr={f.name: repr(getattr(config, f.name)) for f in fields(config)},
         key_scale=_device_expr(ks), key_scale_grad=_device_expr(sympy.diff(ks, BETA)),
         value_scale=_device_expr(vs), value_scale_grad=_device_expr(sympy.diff(vs, BETA)),
         key_scale_text=f"({ks})".replace("bt", r.beta or "1"), value_scale_text=f"({vs})".replace("bt", r.beta or "1"),
-        rho_text=str(plan.rho), rho_python=rho_python, output_factor=repr(float(plan.output_factor)),
+        rho_text=str(plan.rho), rho_python=rho_python,
     )
     inputs = [t for t in program.inputs]
     params = [t.name if t.default is None else f"{t.name}=None" for t in inputs]

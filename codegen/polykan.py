@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import ast
 import base64
+import dataclasses
+import lzma
+import textwrap
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,8 +22,10 @@ from ncd.source import origin_name
 from ncd.symbolic import triton_expr
 
 from .attention import _environment
+from .pytext import fit
 
 if TYPE_CHECKING:
+    from ncd.kernels.polykan import PolyKANConfig
     from ncd.polykan import PolyKANPlan
 
 _ALLOWED = {"tl", "math"}
@@ -89,19 +94,28 @@ def _recurrence_context(plan: PolyKANPlan) -> dict[str, Any]:
     dstep = _check(_poly_text(rec.dstep.subs(subs), [u, *qs, *dqs], n), names)
     initial = [_check(triton_expr(sympy.sympify(p).subs(U, u)), {"u"}) for p in rec.initial]
     dinitial = [_check(triton_expr(sympy.sympify(p).subs(U, u)), {"u"}) for p in rec.dinitial]
-    return {"q_names": [str(q) for q in qs], "dq_names": [str(q) for q in dqs], "step_text": step,
-            "dstep_text": dstep, "initial_texts": initial, "dinitial_texts": dinitial}
+    step_names = _names(step) | {n for text in initial for n in _names(text)}
+    dstep_names = _names(dstep) | {n for text in dinitial for n in _names(text)}
+
+    def unpack(carried: list[sympy.Symbol], source: str, used: set[str]) -> str:
+        names = [str(q) if str(q) in used else "_" for q in carried]
+        return f"    ({', '.join(names)},) = {source}" if len(names) == 1 else f"    {', '.join(names)} = {source}"
+
+    return {"q_names": [str(q) for q in qs], "dq_names": [str(q) for q in dqs], "step_statement": fit("p = ", step),
+            "unpack_next": unpack(qs, "q", step_names),
+            "unpack_dnext": unpack(qs, "q", dstep_names) + "\n" + unpack(dqs, "dq", dstep_names),
+            "dstep_statement": fit("p = ", dstep), "step_uses_n": "n" in _names(step),
+            "dstep_uses_n": "n" in _names(dstep), "initial_texts": initial, "dinitial_texts": dinitial}
 
 
-def _constant_prefix(plan: PolyKANPlan) -> int:
-    """How many leading basis terms are constants (free of u): the LUT reads them exactly, so that P_0 = 1 at a
-    NaN argument as in recurrence mode (NaN in -> NaN out only where the value depends on the input)."""
-    count = 0
-    for p in plan.recurrence.initial:
-        if U in sympy.sympify(p).free_symbols:
-            break
-        count += 1
-    return count
+def _names(text: str) -> set[str]:
+    return {node.id for node in ast.walk(ast.parse(text, mode="eval")) if isinstance(node, ast.Name)}
+
+
+def config_literal(config: PolyKANConfig) -> str:
+    """The plan's config as a Python literal for the generated module (one field a line)."""
+    fields = ",\n".join(f"    {f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config))
+    return f"PolyKANConfig(\n{fields},\n)"
 
 
 def render_polykan_op(program: ir.Program, plan: PolyKANPlan, op_id: str) -> str:
@@ -114,29 +128,34 @@ def render_polykan_op(program: ir.Program, plan: PolyKANPlan, op_id: str) -> str
         "D": D, "basis_name": r.basis, "basis_origin": r.basis_origin, "arg_origin": r.arg_origin,
         "out_origin": r.out_origin, "recurrence_lines": plan.recurrence.describe(),
         "arg_text": sympy.sstr(plan.arg.subs(xv, sympy.Symbol(r.x))),
-        "arg_expr": _check(triton_expr(plan.arg), {"xv"}), "darg_expr": _check(triton_expr(plan.darg), {"xv"}),
+        "arg_return": fit("return ", _check(triton_expr(plan.arg), {"xv"})),
+        "darg_return": fit("return ", _check(triton_expr(plan.darg), {"xv"})),
         "layout": plan.layout, "c_axes": r.c_axes, "mode": plan.basis_eval, "split": MATMUL[plan.matmul],
+        "config": config_literal(plan.config),
         **_recurrence_context(plan),
     }
     table = plan.table
     ctx["lut"] = table is not None
     if table is not None:
         inv_h = 1.0 / table.h
-        data = base64.b64encode(
-            np.stack([table.values, table.derivs]).astype("<f4").tobytes()).decode("ascii")
+        # fp32 bytes, xz-compressed (lossless; about a third of the size for these smooth tables), as base85 text
+        data = base64.b85encode(lzma.compress(
+            np.stack([table.values, table.derivs]).astype("<f4").tobytes(), preset=9)).decode("ascii")
         ctx.update(
             t_name=table.param.name, entries=table.entries, t_lo=repr(float(table.param.lo)), inv_h=repr(inv_h),
             u_lo=repr(float(plan.domain[0] if plan.domain else -1.0)),
             u_hi=repr(float(plan.domain[1] if plan.domain else 1.0)),
-            t_expr=_check(triton_expr(table.param.forward.subs(U, u)), {"u"}),
-            table_b64=[data[i:i + 100] for i in range(0, len(data), 100)],
-            lut_error=table.error, lut_derror=table.derror, lut_const=_constant_prefix(plan),
+            t_statement=fit("t = ", _check(triton_expr(table.param.forward.subs(U, u)), {"u"})),
+            table_text=[data[i:i + 112] for i in range(0, len(data), 112)],
+            lut_error=table.error, lut_derror=table.derror, lut_const=plan.config.lut_const,
             mode_text=f"lookup table in t = {table.param.name}, {table.entries} entries, linear interpolation "
                       f"(measured max relative error {table.error:.3g}, derivatives {table.derror:.3g})",
         )
     else:
         ctx.update(mode_text="the recurrence, in fp32, carried through a loop over degrees (values and "
                              "derivatives)")
+    ctx["mode_lines"] = [("#   basis evaluation: " if i == 0 else "#     ") + line
+                         for i, line in enumerate(textwrap.wrap(ctx["mode_text"], 96))]
     x_axes, c_axes = program.tensor(r.x).axes, r.c_axes
     out_axes = program.tensor(r.output).axes
     inverse = tuple(plan.perm.index(k) for k in range(3))
@@ -149,6 +168,7 @@ def render_polykan_op(program: ir.Program, plan: PolyKANPlan, op_id: str) -> str
         c_perm=_perm(plan.perm), c_perm_tuple=repr(plan.perm), c_inverse=repr(inverse),
         c_identity=plan.perm == (0, 1, 2), o_axis=c_axes.index(r.outp),
         out_perm=_perm(tuple((r.batch, r.outp).index(a) for a in out_axes)),
+        out_perm_tuple=repr(tuple((r.batch, r.outp).index(a) for a in out_axes)),
         axes_table=repr({a.name: (a.fixed, a.factors) for a in program.axes}),
     )
     env = _environment()

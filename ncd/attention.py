@@ -3,7 +3,8 @@ per-key weight, the mask, the scale, and the kernel's a1, a2, b and derivatives 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ast
+from dataclasses import dataclass, replace
 
 import sympy
 
@@ -20,6 +21,8 @@ from .cost import (
 )
 from .errors import NotStreamable
 from .factorize import Factorization, factorize
+from .family import Decline
+from .kernels.attention_config import DEFAULT_FORWARD_TILES, AttentionConfig
 from .pipeline import FrontEnd
 from .stable_exp import stable_triton_expr
 from .streaming import Certificate, X, Z, certify
@@ -191,6 +194,29 @@ def kernel_maps(cert: Certificate) -> KernelMaps:
         raise UnsupportedAttention(cert.span, detail=f"cannot lower to Triton: {err}") from None
 
 
+def _same_expression(text: str, other: str) -> bool:
+    """Equal as Python expressions (spacing and redundant parentheses ignored)."""
+    return ast.dump(ast.parse(text.strip(), mode="eval")) == ast.dump(ast.parse(other.strip(), mode="eval"))
+
+
+def attention_config(maps: KernelMaps, online_max: bool, forward_tiles: tuple[tuple[int, ...], ...] = (),
+                     factorization: Factorization | None = None) -> AttentionConfig:
+    """The knobs the plan decides: the forward's autotune set (the cost ranking, else the measured default), the
+    accumulation (running max; exp2 where a1 = a2 = a1' = a2' = exp and no pre-map takes the score first; a1 = a2
+    evaluated once) and the factorized form's presence, chunk and head-dim limit."""
+    exp2 = online_max and not maps.pre and all(_same_expression(e, "tl.exp(x)")
+                                                for e in (maps.a1, maps.a2, maps.da1, maps.da2))
+    shared = _same_expression(maps.a1, maps.a2) and _same_expression(maps.da1, maps.da2)
+    config = AttentionConfig(forward_tiles=tuple(forward_tiles) or DEFAULT_FORWARD_TILES, online_max=online_max,
+                             exp2=exp2, shared_map=shared)
+    if factorization is None:
+        return config
+    return replace(config, factorized=True, chunk=factorization.chunk, fact_max_head_dim=factorization.max_head_dim)
+
+
+DEFAULT_CONFIG = AttentionConfig()
+
+
 # Axis sizes the plan is estimated at unless the caller binds them: the benchmark's attention setting.
 DEFAULT_BINDINGS = {"batch": 8, "head": 16, "query": 4096, "key": 4096}
 DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
@@ -207,6 +233,7 @@ class AttentionPlan:
     factorization: Factorization | None = None
     shape: AttentionShape | None = None
     factorized_cost: FormEstimate | None = None
+    config: AttentionConfig = DEFAULT_CONFIG
 
     def _padding(self) -> list[str]:
         dim = self.bindings.get(self.roles.q_axes[3])
@@ -248,7 +275,7 @@ class AttentionPlan:
                 lines += format_forms(self.estimates[0], self.factorized_cost, chosen, rule)
         else:
             lines.append("forms: streamed only (the factorized form needs a1, a2 polynomials of degree <= 1, <= 2)")
-        return lines
+        return [*lines, *self.config.describe()]
 
     @property
     def output(self) -> str:
@@ -257,10 +284,8 @@ class AttentionPlan:
     def render(self, program: ir.Program, op_id: str) -> str:
         from .codegen.attention_op import render_attention_op
 
-        configs = tuple((e.config.block_m, e.config.block_n, e.config.num_warps, e.config.num_stages)
-                        for e in self.estimates)
-        return render_attention_op(program, self.certificate, self.roles, self.maps, op_id, configs,
-                                   self.factorization)
+        return render_attention_op(program, self.certificate, self.roles, self.maps, op_id,
+                                   self.config.forward_tiles, self.factorization, config=self.config)
 
     def constant_inputs(self) -> frozenset[str]:
         return frozenset({self.roles.weight} if self.roles.weight else ())
@@ -324,12 +349,14 @@ NEAR_SINGULAR = 1e-3
 REDRAWS = 20
 
 
-def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan | None:
+def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan | Decline:
     """The attention family claims specs whose output is a streamable normalized contraction."""
     program = front.program
     certificates = certify(program)
     if not certificates:
-        return None
+        last = program.definition(program.outputs[-1].name) if program.outputs else None
+        return Decline("no definition contracts a normalized map over one axis (normalize(a(S), over AXIS) . V)",
+                       last.span if last is not None else None)
     cert = certificates[0]
     r = roles(program, cert)
     maps = kernel_maps(cert)
@@ -349,7 +376,10 @@ def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan |
     shown = {a: bound[a] for a in dict.fromkeys((*r.q_axes, *r.k_axes))}
     factorization = factorize(cert, r.causal)
     factorized_cost = factorized_estimate(shape, factorization.chunk) if factorization is not None else None
-    return AttentionPlan(cert, r, maps, shown, tuple(rank_configs(shape)), factorization, shape, factorized_cost)
+    estimates = tuple(rank_configs(shape))
+    tiles = tuple((e.config.block_m, e.config.block_n, e.config.num_warps, e.config.num_stages) for e in estimates)
+    config = attention_config(maps, cert.rescale is not None, tiles, factorization)
+    return AttentionPlan(cert, r, maps, shown, estimates, factorization, shape, factorized_cost, config)
 
 
 def _role_name(r: AttentionRoles, axis: str) -> str:

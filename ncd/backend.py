@@ -1,59 +1,66 @@
 """The back half of the pipeline: a kernel family claims the verified IR and returns a plan (certificate,
-roles, tiling and cost); the plan renders the generated module. Families are tried in order; one that does
-not recognise a spec returns None, one that recognises it but cannot compile it raises a located error."""
+roles, tiling, config and cost); the plan renders the generated module. Families are asked in registry order
+(ncd/families/__init__.py); one that does not recognise a spec says why (`Decline`), one that recognises it but
+cannot compile it raises a located error."""
 
 from __future__ import annotations
 
 import ast as pyast
+import dataclasses
 import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import resources
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from . import __version__, ast, ir
-from .errors import InvalidIdentifier, InvalidStatement
+from .errors import InvalidIdentifier, InvalidStatement, NoKernelFamily
+from .family import Decline, Family, KernelPlan
 from .limits import symbolic_budget
 from .pipeline import FrontEnd
+from .settings import settings
 from .source import Span, origin_name
 
-
-class KernelPlan(Protocol):
-    family: str
-
-    @property
-    def output(self) -> str: ...
-
-    def describe(self) -> list[str]: ...
-
-    def render(self, program: ir.Program, op_id: str) -> str: ...
-
-    def validation_sizes(self, program: ir.Program) -> dict[str, int]:
-        """Small odd sizes for every axis, for numerical validation."""
-        ...
-
-    def constant_inputs(self) -> frozenset[str]:
-        """Inputs that get no gradient (e.g. attention's per-key multiplicities, drawn positive)."""
-        ...
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 
-def _families() -> list[Callable[[FrontEnd, dict[str, int]], KernelPlan | None]]:
-    from .attention import plan_attention
-    from .polykan import plan_polykan
-    from .rational import plan_rational
-    from .recurrence import plan_recurrence
+@dataclass(frozen=True)
+class Selection:
+    """The family that claimed a spec, its plan, and why each family asked before it declined."""
 
-    return [plan_attention, plan_rational, plan_polykan, plan_recurrence]
+    family: Family
+    plan: KernelPlan
+    declined: tuple[str, ...]  # "family: file:line:col: reason", in registry order
+
+    def describe(self) -> list[str]:
+        return [*self.plan.describe(), *(f"  declined by {line}" for line in self.declined)]
 
 
-def find_plan(front: FrontEnd, bindings: dict[str, int] | None = None) -> KernelPlan | None:
+def select(front: FrontEnd, bindings: dict[str, int] | None = None) -> Selection:
+    """Ask the registry's families in order; the first plan wins. The generic family, last, claims every spec it
+    can honour and raises a located error for the rest, so every verified spec either compiles or is rejected."""
+    from .families import REGISTRY
+
+    declined: list[str] = []
     with symbolic_budget(front.source, "deriving the kernel plan"):  # also gives the families' errors the source
-        for family in _families():
-            found = family(front, bindings or {})
-            if found is not None:
-                _check_signature(front.program)
-                return found
-    return None
+        for family in REGISTRY:
+            planner = family.load(family.planner)
+            found = planner(front, bindings or {})  # type: ignore[operator]
+            if isinstance(found, Decline):
+                declined.append(found.line(family.name))
+                continue
+            _check_signature(front.program)
+            return Selection(family, found, tuple(declined))
+    outputs = front.program.outputs
+    asked = "; ".join(declined) or "none (the registry is empty)"
+    raise NoKernelFamily(outputs[-1].span if outputs else None, name=front.program.name, families=asked
+                         ).with_source(front.source)
+
+
+def find_plan(front: FrontEnd, bindings: dict[str, int] | None = None) -> KernelPlan:
+    return select(front, bindings).plan
 
 
 def _check_signature(program: ir.Program) -> None:
@@ -69,26 +76,28 @@ def _check_signature(program: ir.Program) -> None:
 
 
 def plan(front: FrontEnd, bindings: dict[str, int] | None = None) -> KernelPlan:
-    found = find_plan(front, bindings)
-    if found is None:
-        raise InvalidStatement(None, detail=f"spec '{front.program.name}' matches no kernel family yet "
-                               "(code generation exists for normalized-contraction attention)",
-                               hint="other families stop at verified IR: see `ncd check`")
-    return found
+    return select(front, bindings).plan
 
 
-# What decides the generated text besides the spec: the package's code (codegen included), templates and grammar.
+# What decides the generated text besides the spec: the package's code (subpackages such as the families and the
+# static kernels included), codegen, templates and grammar.
 _GENERATING_FILES = {"ncd": (".py",), "ncd.codegen": (".py",), "ncd.templates": (".py", ".jinja"),
                      "ncd.grammar": (".py", ".lark")}
 
 
 def _generating_sources() -> list[tuple[str, bytes]]:
-    """(package/file, bytes) of every installed file that generates code, in a fixed order."""
+    """(package/path, bytes) of every installed file that generates code, subfolders included, in a fixed order."""
     found = []
+
+    def walk(folder: Traversable, prefix: str, suffixes: tuple[str, ...]) -> None:
+        for entry in folder.iterdir():
+            if entry.is_dir() and entry.name != "__pycache__":
+                walk(entry, f"{prefix}/{entry.name}", suffixes)
+            elif entry.name.endswith(suffixes) and entry.is_file():
+                found.append((f"{prefix}/{entry.name}", entry.read_bytes()))
+
     for package, suffixes in _GENERATING_FILES.items():
-        for entry in resources.files(package).iterdir():
-            if entry.name.endswith(suffixes) and entry.is_file():
-                found.append((f"{package}/{entry.name}", entry.read_bytes()))
+        walk(resources.files(package), package, suffixes)
     return sorted(found)
 
 
@@ -103,19 +112,33 @@ def compiler_digest() -> str:
     return digest.hexdigest()
 
 
-def op_id(front: FrontEnd) -> str:
-    """A name unique to this spec text, size overrides and options, this compiler (`compiler_digest`) and the
-    spec's file name as generated code shows it (`origin_name`: the origin comments of a cached module then name
-    the file it was generated from). Custom ops are global per process; the cache is keyed by it. 96 bits: two
-    specs colliding by design would take ~2^48 work."""
-    key = repr((compiler_digest(), origin_name(front.source.filename), front.source.text, front.sizes, front.options))
+# Settings that only steer the compiler's own process, never the generated text.
+_PROCESS_SETTINGS = frozenset({"verify", "debug", "cache_dir"})
+
+
+def _generating_settings() -> tuple[tuple[str, object], ...]:
+    """The NCD_* settings a family may read while planning or rendering (precisions, factorization, ...)."""
+    current = settings()
+    return tuple((f.name, getattr(current, f.name)) for f in dataclasses.fields(current)
+                 if f.name not in _PROCESS_SETTINGS)
+
+
+def op_id(front: FrontEnd, bindings: Mapping[str, int] | None = None) -> str:
+    """A name unique to everything that decides the generated text: the spec text, size overrides and options,
+    the plan's `--bind` sizes and the generating NCD_* settings, this compiler (`compiler_digest`) and the spec's
+    file name as generated code shows it (`origin_name`: the origin comments of a cached module then name the file
+    it was generated from). Custom ops are global per process; the cache is keyed by it. 96 bits: two specs
+    colliding by design would take ~2^48 work."""
+    key = repr((compiler_digest(), origin_name(front.source.filename), front.source.text, front.sizes, front.options,
+                tuple(sorted((bindings or {}).items())), _generating_settings()))
     digest = hashlib.sha256(key.encode()).hexdigest()
     return f"{front.program.name}_{digest[:24]}"
 
 
-def generate(front: FrontEnd, kernel_plan: KernelPlan | None = None) -> str:
+def generate(front: FrontEnd, kernel_plan: KernelPlan | None = None,
+             bindings: Mapping[str, int] | None = None) -> str:
     with symbolic_budget(front.source, "generating the kernels"):
-        code = (kernel_plan or plan(front)).render(front.program, op_id(front))
+        code = (kernel_plan or plan(front, dict(bindings or {}))).render(front.program, op_id(front, bindings))
     _check_name_is_free(front, code)
     return code
 

@@ -1,4 +1,4 @@
-"""The `ncd` command line: `ncd compile`, `ncd check`, `ncd --version`.
+"""The `ncd` command line: `ncd compile`, `ncd check`, `ncd tune`, `ncd --version`.
 
 Exit codes: 0 success, 1 the spec has errors, 2 usage errors (bad flags, unreadable file), 3 internal errors.
 No spec, however malformed, produces a Python traceback (set NCD_DEBUG=1 to see one for internal errors).
@@ -7,16 +7,21 @@ No spec, however malformed, produces a Python traceback (set NCD_DEBUG=1 to see 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ncd import __version__
 from ncd.cache import CacheError
 from ncd.errors import NcdError, SpecSyntaxError
 from ncd.limits import MAX_AXIS_SIZE
 from ncd.pipeline import STAGES, FrontEnd, front_end
+
+if TYPE_CHECKING:
+    from ncd.compiler import Compiled
 from ncd.printer import format_ast, format_ir
 from ncd.settings import settings
 from ncd.source import LINE_END, Span
@@ -62,33 +67,27 @@ def _bindings(pairs: Sequence[str]) -> dict[str, int]:
     return out
 
 
-def _stage_text(result: FrontEnd, stage: str, bindings: dict[str, int]) -> str:
-    from ncd import backend  # the back end pulls in sympy-heavy passes only when asked for
-
+def _stage_text(compiled: Compiled, stage: str) -> str:
+    """What `--emit STAGE` prints; the plan and the code come from `compiled`, each derived once."""
     if stage == "ast":
-        return format_ast(result.module)
+        return format_ast(compiled.ast)
     if stage == "ir":
-        return format_ir(result.program)
-    kernel_plan = backend.plan(result, bindings)
+        return format_ir(compiled.ir)
     if stage == "plan":
-        return "\n".join(kernel_plan.describe())
-    return backend.generate(result, kernel_plan)
+        return "\n".join(compiled.selection.describe())
+    return compiled.code
 
 
 _SUFFIX = {"ast": "ast.txt", "ir": "ir.txt", "plan": "plan.txt", "triton": "py"}
 
 
-def _default_stage(result: FrontEnd) -> str:
-    from ncd.backend import find_plan
-
-    return "triton" if find_plan(result) is not None else "ir"
-
-
 def cmd_compile(args: argparse.Namespace) -> int:
+    from ncd.compiler import compile_front  # the back end pulls in sympy-heavy passes only when asked for
+
     result = _front_end(args.spec)
-    bindings = _bindings(args.bind or [])
-    stages = args.emit or [_default_stage(result)]
-    texts = [(stage, _stage_text(result, stage, bindings)) for stage in stages]
+    compiled = compile_front(result, _bindings(args.bind or []), until="verify")
+    stages = args.emit or ["triton"]
+    texts = [(stage, _stage_text(compiled, stage)) for stage in stages]
     if args.output is None:
         for _, text in texts:
             print(text)
@@ -115,7 +114,7 @@ CHECKS = (
 )
 BACK_END_CHECKS = (
     ("plan", "a kernel family claims the spec and derives its plan (`--emit plan` shows the certificate)"),
-    ("codegen", "the generated Triton module parses and imports"),
+    ("codegen", "the generated module parses and imports"),
 )
 
 
@@ -132,32 +131,8 @@ def _device() -> str:
     return "cpu"
 
 
-KERNEL_FAMILIES = (
-    ("attention", "normalized-contraction attention: O = normalize(a(S), over key) . V with S = Q . K"),
-    ("rational", "group-wise rational activations of one input (KAT / FlashKAT)"),
-    ("polykan", "polynomial KAN layers: a basis recurrence of one input contracted with coefficients"),
-    ("recurrence", "gated outer-product recurrences read through a ridge solve (Gated KalmaNet)"),
-)
-
-
-class NoKernelFamily(NcdError):
-    code = "no-kernel-family"
-    template = "no kernel family claims spec '{name}', so nothing was compiled or validated"
-    hint_template = ("the front-end checks above passed; families that exist: {families}. `ncd compile "
-                     "--emit ir` prints the verified IR of any spec")
-
-
-def _unclaimed(result: FrontEnd) -> NoKernelFamily:
-    """The error for a spec no family claims, located at its (last) output."""
-    p = result.program
-    span = p.outputs[-1].span if p.outputs else None
-    families = "; ".join(f"{name} ({what})" for name, what in KERNEL_FAMILIES)
-    err = NoKernelFamily(span, name=p.name, families=families)
-    return err.with_source(result.source)  # type: ignore[return-value]
-
-
 def cmd_check(args: argparse.Namespace) -> int:
-    from ncd.backend import find_plan
+    from ncd.compiler import advance, compile_front
 
     result = _front_end(args.spec)
     p = result.program
@@ -166,18 +141,20 @@ def cmd_check(args: argparse.Namespace) -> int:
           f"{len(p.definitions)} definitions, {len(p.outputs)} outputs")
     for name, what in CHECKS:
         print(f"  ok   {name:<10} {what}")
-    if find_plan(result) is None:
-        print("  --   numerics   not run: no kernel family claims this spec", flush=True)
-        raise _unclaimed(result)
+    try:
+        compiled = compile_front(result, until="plan")
+    except NcdError:
+        print("  --   numerics   not run: no kernel family compiles this spec", flush=True)
+        raise
     device = _device()
     import torch
 
-    import ncd
+    from ncd.ops import Op
     from ncd.validate import check_op, format_rows
 
-    op = ncd.load(args.spec)
+    op = Op(advance(compiled))
     for name, what in BACK_END_CHECKS:
-        print(f"  ok   {name:<10} {what}")
+        print(f"  ok   {name:<10} {what}" + (f" ({compiled.family})" if name == "plan" else ""))
     where = "GPU" if device == "cuda" else "CPU, Triton interpreter"
     # bf16 runs on the interpreter too (Triton 3.9 here; the kernels upcast its dot operands there)
     print(f"  ..   numerics   output and gradients against the float64 reference of the spec's IR ({where}; "
@@ -211,6 +188,18 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK if not failed else EXIT_SPEC
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from ncd.tuning import TuneError, parse_shapes, require_gpu, tune_spec
+
+    try:
+        parse_shapes(args.shape or [])
+        require_gpu()  # before compiling: say at once when there is nothing to tune on
+        tune_spec(args.spec, args.shape or [], args.dtype, args.backward)
+    except TuneError as err:
+        raise UsageError(str(err)) from None
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ncd", description="Compile neural circuit diagram specs.")
     parser.add_argument("--version", action="version", version=f"ncd {__version__}")
@@ -228,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, metavar="N", help="draw the validation inputs from seed N (default: "
                        "fresh random inputs; the seed used is printed)")
     check.set_defaults(run=cmd_check)
+    tune = sub.add_parser("tune", help="autotune a spec's kernels at given sizes on this GPU and keep the results")
+    tune.add_argument("spec", help="path to a .ncd spec")
+    tune.add_argument("--shape", action="append", metavar="AXIS=N", help="an axis size to tune at (repeatable; "
+                      "axes not given take the spec's validation sizes)")
+    tune.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="input dtype (default bf16)")
+    tune.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
+                      help="also run the backward, tuning its kernels (default: on)")
+    tune.set_defaults(run=cmd_tune)
     return parser
 
 
@@ -257,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, CacheError) as err:
         print(f"ncd: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # `ncd compile ... | head`: the reader left; stay quiet, as cat and grep do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_SPEC
     except RecursionError:  # the stages report their own (ncd.limits.symbolic_budget); this is the last resort
         print(_nesting_error(args.spec), file=sys.stderr)
         return EXIT_SPEC

@@ -190,6 +190,13 @@ class InvalidStatement(NcdError):
     template = "{detail}"
 
 
+class NoKernelFamily(NcdError):
+    code = "no-kernel-family"
+    template = "no kernel family claims spec '{name}', so nothing was compiled or validated"
+    hint_template = ("the front-end checks passed; families asked: {families}. `ncd compile --emit ir` prints the "
+                     "verified IR of any spec")
+
+
 class NotStreamable(NcdError):
     code = "not-streamable"
     template = "{detail}"

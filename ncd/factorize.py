@@ -10,7 +10,7 @@ With s = scale q.k, a1(s) = c0 + c1 s and a2(s) = e0 + e1 s + e2 s^2, over the k
 where K_w = diag(w) K, k_w = sum_j w_j k_j and W = sum_j w_j. The moments K_w^T V and K_w^T K are D x D per
 head: the cost is O((Nq + Nk) D^2) instead of O(Nq Nk D). Spherical attention (a1 = x, a2 = x^2, b = sqrt)
 and linear attention qualify. With the causal mask the moments become prefix sums: the generated kernels
-(templates/attention_chunked.py.jinja) scan the keys chunk by chunk and store the moments at each chunk
+(ncd/kernels/attention_chunked.py) scan the keys chunk by chunk and store the moments at each chunk
 start; a query adds the keys of its own chunk as masked scores (fla-style chunked linear attention).
 
 The cost model (ncd/cost.py: `form_estimates`) estimates both forms; the generated op picks one per call

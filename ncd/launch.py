@@ -89,6 +89,9 @@ def _key_of(arg: Any) -> Any:
         return arg.dtype, arg.get_device(), arg.data_ptr() & 15 == 0
     if kind is float:
         return float
+    if kind is tuple:  # a tuple argument (e.g. a rational op's parameters): Triton specialises each member
+        keys = tuple(map(_key_of, arg))
+        return NotImplemented if any(k is NotImplemented for k in keys) else (tuple, keys)
     if isinstance(arg, int | str):
         return arg
     if _DESCRIPTOR is not None and isinstance(arg, _DESCRIPTOR):

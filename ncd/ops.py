@@ -10,9 +10,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .backend import generate, op_id
 from .cache import CacheError, import_generated
-from .pipeline import FrontEnd, load_spec
+from .compiler import Compiled, compile_spec
+from .family import KernelPlan
 
 __all__ = ["CacheError", "Op", "chunk_gka", "import_generated", "load", "shipped_spec"]
 
@@ -20,16 +20,24 @@ __all__ = ["CacheError", "Op", "chunk_gka", "import_generated", "load", "shipped
 class Op:
     """A compiled spec: call it like a function; `.module` is the generated code, `.Module` an nn.Module."""
 
-    def __init__(self, front: FrontEnd, module: ModuleType, path: Path) -> None:
-        self.front = front
-        self.module = module
-        self.path = path
+    def __init__(self, compiled: Compiled) -> None:
+        if compiled.module is None or compiled.path is None:
+            raise ValueError("Op needs a spec compiled through the `import` stage (ncd.compiler.compile_front)")
+        self.compiled = compiled
+        self.front = front = compiled.front
+        self.module: ModuleType = compiled.module
+        self.path: Path = compiled.path
         self.name = front.program.name
         # positional arguments: the spec's inputs, then its parameters, in declaration order
         self.signature = (*front.program.inputs, *front.program.params)
-        self.fn = getattr(module, self.name)
-        self.Module = module.Module
+        self.fn = getattr(self.module, self.name)
+        self.Module = self.module.Module
         self.__doc__ = self.fn.__doc__
+
+    @property
+    def plan(self) -> KernelPlan:
+        """The family's plan (derived on first use, once: a cached module is imported without it)."""
+        return self.compiled.plan
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -44,9 +52,7 @@ def load(path: str | Path, cache_dir: str | Path | None = None, sizes: Mapping[s
     (`sizes={"deg": 25}` compiles `axis deg = 9` as 25, re-checking the spec); `options` are family options
     (polykan: `{"basis_eval": "lut" | "recurrence"}`). Both are part of the cache key. Raises `CacheError` when
     the cache directory is unusable or not private to this user."""
-    front = load_spec(path, sizes, options)
-    module, target = import_generated(op_id(front), lambda: generate(front), cache_dir)
-    return Op(front, module, target)
+    return Op(compile_spec(path, sizes, options, cache_dir=cache_dir))
 
 
 # --- shipped ops with library conventions -------------------------------------------------------------------

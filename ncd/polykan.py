@@ -16,7 +16,7 @@ Also here: `PolyKANLayer` and `ChebyKANLayer`, nn.Modules over the shipped specs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,8 +26,18 @@ import torch
 from torch import nn
 
 from . import ir
-from .basis_lut import ERROR_BUDGET, Choice, Recurrence, Table, choose_table
+from .basis_lut import ERROR_BUDGET, Choice, Recurrence, Table, U, choose_table
 from .errors import CallError, NcdError
+from .family import Decline
+from .kernels.polykan import (  # noqa: F401  (re-exported: the planner's names)
+    FUSED_MAX_CHUNKS,
+    FUSED_MAX_PARTIALS,
+    GEMM_CONFIGS,
+    MATMUL,
+    PolyKANConfig,
+    Tiling,
+    tiling,
+)
 from .pipeline import FrontEnd
 from .symbolic import SYMPY_FUNCTIONS, to_sympy, triton_expr
 
@@ -105,10 +115,10 @@ def _arg_sympy(program: ir.Program, node: ir.Node, loads: list[ir.Load]) -> symp
                              "input, numbers and fixed sizes", hint="e.g. T[deg](tanh(x))")
 
 
-def _recognise(program: ir.Program) -> tuple[PolyKANRoles, Recurrence, sympy.Expr] | None:
+def _recognise(program: ir.Program) -> tuple[PolyKANRoles, Recurrence, sympy.Expr] | Decline:
     found = _find(program)
     if found is None:
-        return None
+        return Decline("no output contracts a basis evaluation (P[deg](x)) with coefficients")
     definition, contract, basis_eval, other = found
     if len(program.outputs) != 1:
         raise UnsupportedPolyKAN(definition.span, detail="the polynomial-KAN kernels compute one output; this spec "
@@ -195,132 +205,15 @@ def coefficient_layout(roles: PolyKANRoles) -> tuple[tuple[str, str, str], tuple
 # --- tiling --------------------------------------------------------------------------------------------------
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-# The fused regime's backward reduces the batch in chunks of at most 64 rows; more chunks than this, or dC
-# partials (one [deg, inp, outp] slab per chunk) larger than this many elements, select the GEMM regime.
-FUSED_MAX_CHUNKS = 8
-FUSED_MAX_PARTIALS = 1 << 24
-# GEMM regime, per operand split: (BM, BN, BK, warps, stages). tf32 parts are fp32 words (BK 32: 64 KiB of
-# operands per stage); bf16 parts are half the bytes, so BK doubles for the same shared memory.
-GEMM_CONFIGS = {"tf32": (128, 128, 32, 8, 3), "bf16": (128, 128, 64, 8, 3)}
-MATMUL = {"tf32x3": "tf32", "bf16x3": "bf16"}  # family option -> operand split of the GEMM regime
-
-
-@dataclass(frozen=True)
-class Tiling:
-    """Launch decisions for one problem size.
-
-    regime "fused" (launch-bound sizes): one forward kernel (output tiles x split of inp, last-arriving
-    program per tile combines the partials in fixed order) and one backward kernel computing dX and dC
-    together per (inp tile, outp tile, batch chunk): dX partials per outp tile and dC partials per batch
-    chunk are combined the same way. regime "gemm" (large sizes): the basis materialised once per element
-    as split operands, then tensor-core GEMMs with K-major operands."""
-
-    regime: str
-    # fused forward: blocks (BM, BN, BI), split of inp, inp elements per split, output tiles (m x n), n tiles
-    fwd_blocks: tuple[int, int, int] = (0, 0, 0)
-    fwd_split: int = 1
-    fwd_per_split: int = 0
-    fwd_tiles: int = 0
-    fwd_tiles_n: int = 0
-    # fused backward: blocks (BM, BI, BO), batch chunks, (inp x outp) tiles, outp tiles
-    bwd_blocks: tuple[int, int, int] = (0, 0, 0)
-    bwd_chunks: int = 1
-    bwd_tiles: int = 0
-    bwd_tiles_o: int = 0
-    warps: int = 4
-    stages: int = 3
-    # gemm regime: (BM, BN, BK, warps, stages) and the basis kernel's blocks (batch, inp)
-    gemm: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
-    basis_blocks: tuple[int, int] = (32, 32)
-
-    def launches(self, basis_eval: str) -> tuple[int, int]:
-        """Kernel launches of (forward with grad, backward) in eager mode."""
-        if self.regime == "fused":
-            return 1, 1
-        return 3, 3
-
-    def describe(self, r: PolyKANRoles, basis_eval: str) -> list[str]:
-        if self.regime == "fused":
-            bm, bn, bi = self.fwd_blocks
-            fwd = (f"  forward  (x, C -> {r.output}): {self.fwd_tiles} output tiles [{bm} x {bn}] x split-{r.inp} "
-                   f"{self.fwd_split} ({self.fwd_per_split} {r.inp} per split, blocks of {bi}) = "
-                   f"{self.fwd_tiles * self.fwd_split} programs" + (
-                       "; partials combined in fixed order by the last-arriving program of each tile (atomic "
-                       "counter per tile, reset by that program): one launch" if self.fwd_split > 1 else ""))
-            bb, bi2, bo = self.bwd_blocks
-            bwd = (f"  backward (dy, x, C -> d{r.x}, d{r.coeffs}): one kernel, {self.bwd_tiles} ({r.inp} x {r.outp}) "
-                   f"tiles [{bi2} x {bo}] x {self.bwd_chunks} {r.batch} chunk(s) of {bb} = "
-                   f"{self.bwd_tiles * self.bwd_chunks} programs; dX partials per {r.outp} tile "
-                   f"({self.bwd_tiles_o}) and dC partials per {r.batch} chunk combined by the last-arriving "
-                   "program (two-stage, fixed order, no per-element atomics)")
-            pre = ("  basis (LUT): evaluated inside the forward kernel, once per element: the programs of a (batch "
-                   "tile, split) group each write a share of the degrees of P_d and P'_d du/dx into [batch deg inp] "
-                   "and wait for the group (arrival counter; a member that waits too long evaluates the slice "
-                   "itself); saved for the backward" if basis_eval == "lut" else
-                   "  basis (recurrence): evaluated inside the contraction kernels, in registers")
-            return [pre, fwd, bwd]
-        bm, bn, bk, w, s = self.gemm
-        return [
-            f"  basis: one kernel evaluates P_d (and P'_d du/dx) once per element, written as split operands "
-            f"[{r.batch}, {r.deg}*{r.inp}] (and transposed for dC)",
-            f"  forward: coefficients transposed and split once per call, then y = Phi . C^T as one GEMM; "
-            f"blocks {bm}x{bn}x{bk}, {w} warps, {s} stages; the tensor-core accumulator is added into an fp32 "
-            "sum every 1024 of K (the generated module's GEMM_KCHUNK)",
-            f"  backward: dX = sum_d P'_d du/dx (dy . C_d^T) with the degree sum in the GEMM epilogue; "
-            f"dC = Phi^T . dy as one GEMM (the {r.batch} reduction is the GEMM's K loop: no partials)",
-        ]
-
-
-def tiling(batch: int, inp: int, outp: int, degrees: int, sms: int, interpret: bool = False,
-           split: str = "tf32", regime: str | None = None,
-           fused: tuple[int, int, int, int, int, int] | None = None) -> Tiling:
-    """The regime and its tiles: the largest tiles giving at least 1.5 programs per SM, the input axis split
-    towards two per SM; one small config under the CPU interpreter. `regime` forces "fused" or "gemm" (tests);
-    `fused` = (forward BN, forward BI, backward BI, backward BO, warps, stages) overrides the fused choice."""
-    target = 2 * sms
-    enough = sms + sms // 2
-    chunk = 16 if interpret else min(64, max(16, _pow2(batch)))
-    chunks = _cdiv(batch, chunk)
-    if regime is None:
-        regime = "fused" if chunks <= FUSED_MAX_CHUNKS and (
-            chunks == 1 or chunks * degrees * inp * outp <= FUSED_MAX_PARTIALS) else "gemm"
-    if regime == "gemm":
-        gemm = (16, 16, 16, 1, 1) if interpret else GEMM_CONFIGS[split]
-        return Tiling("gemm", gemm=gemm, basis_blocks=(16, 16) if interpret else (32, 32))
-    if interpret:
-        fb, bb = (16, 16, 16), (16, 16, 16)
-        warps, stages = 1, 1
-    else:
-        bm = min(64, max(16, _pow2(batch)))
-        fb = (bm, 16, 16)
-        for bn, bi in ((64, 32), (64, 16), (32, 16)):
-            fb = (bm, bn, bi)
-            if _cdiv(batch, bm) * _cdiv(outp, bn) * _cdiv(inp, bi) >= enough:
-                break
-        bb = (chunk, 16, 16)
-        for bi, bo in ((32, 64), (32, 32), (16, 32), (16, 16)):
-            bb = (chunk, bi, bo)
-            if _cdiv(inp, bi) * _cdiv(outp, bo) * chunks >= enough:
-                break
-        warps, stages = 4, 3
-        if fused is not None:
-            fb, bb = (bm, fused[0], fused[1]), (chunk, fused[2], fused[3])
-            warps, stages = fused[4], fused[5]
-    tiles_n = _cdiv(outp, fb[1])
-    tiles = _cdiv(batch, fb[0]) * tiles_n
-    blocks = _cdiv(inp, fb[2])
-    want = max(1, min(blocks, _cdiv(target, tiles)))
-    per = _cdiv(blocks, want)
-    return Tiling("fused", fb, _cdiv(blocks, per), per * fb[2], tiles, tiles_n, bb, chunks,
-                  _cdiv(inp, bb[1]) * _cdiv(outp, bb[2]), _cdiv(outp, bb[2]), warps, stages)
+def constant_prefix(recurrence: Recurrence) -> int:
+    """How many leading basis terms are constants (free of u): the LUT reads them exactly, so that P_0 = 1 at a
+    NaN argument as in recurrence mode (NaN in -> NaN out only where the value depends on the input)."""
+    count = 0
+    for p in recurrence.initial:
+        if U in sympy.sympify(p).free_symbols:
+            break
+        count += 1
+    return count
 
 
 # --- the plan ------------------------------------------------------------------------------------------------
@@ -347,6 +240,18 @@ class PolyKANPlan:
     bindings: dict[str, int]
     note: str = ""
     matmul: str = "tf32x3"  # the GEMM regime's split products (MATMUL)
+    # what the kernels are told (degrees, basis evaluation, layout, operand split, table size); None: derived
+    # from the fields above (`default_config`)
+    config: PolyKANConfig = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.config is None:
+            object.__setattr__(self, "config", self.default_config())
+
+    def default_config(self) -> PolyKANConfig:
+        table = self.table
+        return PolyKANConfig(self.degrees, self.basis_eval, self.matmul, MATMUL[self.matmul], self.layout, self.perm,
+                             None if table is None else table.entries, constant_prefix(self.recurrence))
 
     @property
     def output(self) -> str:
@@ -406,6 +311,7 @@ class PolyKANPlan:
             *til.describe(r, self.basis_eval),
             f"  launches per training step (eager): forward {fwd_n}, backward {bwd_n}; the eager path calls the "
             "kernels from a torch.autograd.Function (torch.compile sees a torch.library custom op)",
+            *self.config.describe(),
         ]
         return lines
 
@@ -427,12 +333,12 @@ class PolyKANPlan:
         return sizes
 
 
-def plan_polykan(front: FrontEnd, bindings: dict[str, int]) -> PolyKANPlan | None:
+def plan_polykan(front: FrontEnd, bindings: dict[str, int]) -> PolyKANPlan | Decline:
     """The polynomial-KAN family claims specs whose output contracts a basis evaluation with coefficients."""
     program = front.program
     found = _recognise(program)
-    if found is None:
-        return None
+    if isinstance(found, Decline):
+        return found
     roles, rec, g = found
     unknown = [k for k, _ in front.options if k not in OPTIONS]
     if unknown:

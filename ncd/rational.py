@@ -17,7 +17,7 @@ Coefficient gradients are reductions over rows x within-group width: dc_k[g] = s
 x[r, g*width + w] (and also over groups for shared coefficients). The kernels accumulate them in registers
 (fp32) over each program's tiles and issue one atomic add per coefficient per program (FlashKAT Algorithm 2),
 or write per-program partials that a second kernel reduces in a fixed order (deterministic mode). The backward
-grid is one wave of persistent programs under a register cap (`backward_registers`, `backward_resident`).
+grid is one wave of persistent programs under a register cap (`ncd.kernels.rational.backward_registers`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import sympy
 
 from . import ir
 from .errors import NcdError
+from .family import Decline
+from .kernels.rational import RationalConfig
 from .pipeline import FrontEnd
 from .source import Span, origin_name
 from .symbolic import SYMPY_FUNCTIONS, AbsPlus, SignPlus, triton_expr
@@ -48,20 +50,6 @@ X = sympy.Symbol("x", real=True)
 # Axis sizes the plan is estimated at unless bound: the FlashKAT benchmark, X = [1024 * 197, 768], G = 8.
 DEFAULT_BINDINGS = {"row": 1024 * 197, "chan": 768}
 REFERENCE_SMS = 132  # H100 / H200, for the plan's atomics count
-BWD_WARPS = 4  # the backward's programs: 4 warps, about 4 elements per thread per tile
-
-
-def backward_registers(k: int) -> int:
-    """The backward's register cap: K fp32 accumulators for each of a thread's 4 elements plus about 32 (x, dy,
-    their prefetch, the coefficients). At K = 10 this is 72 (ptxas: 71, no spills; uncapped it takes 96)."""
-    return max(64, min(255, -(-(4 * k + 32) // 8) * 8))
-
-
-def backward_resident(k: int) -> int:
-    """Backward programs resident per SM under the register cap (65536 registers, at most 16 programs). The
-    grid is exactly this many programs per SM, each persistent over its share of the tiles: one wave, so no
-    partly filled last wave, and every program issues its atomics once, after many tiles."""
-    return max(1, min(16, 65536 // (backward_registers(k) * 32 * BWD_WARPS)))
 
 
 @dataclass(frozen=True)
@@ -246,23 +234,25 @@ def _integer(expr: sympy.Expr, scope: dict[str, int]) -> int:
     return int(value)
 
 
-def _recognise(program: ir.Program) -> tuple[RationalRoles, dict[str, ParamLayout], list[Coefficient]] | None:
+def _recognise(program: ir.Program) -> tuple[RationalRoles, dict[str, ParamLayout], list[Coefficient]] | Decline:
+    out_span = program.outputs[-1].span if program.outputs else None
     if len(program.outputs) != 1 or not program.params:
-        return None
+        return Decline("a grouped activation has one output and coefficient parameters", out_span)
     inputs = program.inputs
     if len(inputs) != 1 or len(inputs[0].axes) != 2:
-        return None
+        return Decline("a grouped activation reads one input of two axes [row channel]",
+                       inputs[-1].span if inputs else out_span)
     x, out = inputs[0], program.outputs[0]
     if set(out.axes) != set(x.axes) or len(out.axes) != 2:
-        return None
+        return Decline(f"the output's axes differ from the input '{x.name}''s (not element-wise)", out.span)
     splits = [a for a in x.axes if program.axis(a).factors]
     if len(splits) != 1:
-        return None
+        return Decline(f"no axis of '{x.name}' is split into groups (axis chan = group * width)", x.span)
     chan = splits[0]
     row = next(a for a in x.axes if a != chan)
     factors = program.axis(chan).factors
     if len(factors) != 2:
-        return None
+        return Decline(f"axis '{chan}' must split into two factors (group * width)", program.axis(chan).span)
     group, width = factors
     roles = RationalRoles(x.name, out.name, row, chan, group, width, x.axes, out.axes)
     # parameters: the group wire (or none), and fixed-size axes enumerated as coefficients
@@ -271,7 +261,7 @@ def _recognise(program: ir.Program) -> tuple[RationalRoles, dict[str, ParamLayou
     shared: list[tuple[ir.Tensor, tuple[int, ...]]] = []
     for t in program.params:
         if any(program.axis(a).factors for a in t.axes) or row in t.axes or width in t.axes:
-            return None  # per-channel or per-row parameters: not a grouped activation
+            return Decline(f"parameter '{t.name}' is per channel or per row, not per group", t.span)
         rest = [a for a in t.axes if a != group]
         sizes = []
         for a in rest:
@@ -608,6 +598,17 @@ class RationalPlan:
     bindings: dict[str, int]
     out_span: Span
     origin_file: str = field(default="")
+    # what the kernels are told (counts, live gradients, tiles, warps, registers, default accumulation); None: the
+    # defaults for these coefficients (`default_config`)
+    config: RationalConfig = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.config is None:
+            object.__setattr__(self, "config", self.default_config())
+
+    def default_config(self) -> RationalConfig:
+        live = tuple(text is not None for text in self.derivation.bwd_dcoef)
+        return RationalConfig.for_coefficients(self.k_group, self.k_shared, live)
 
     @property
     def output(self) -> str:
@@ -654,7 +655,7 @@ class RationalPlan:
         rows = self.bindings[r.row]
         width = self.bindings[r.width]
         groups = self.bindings[r.group]
-        row_programs = min(-(-rows // 16), max(1, backward_resident(k) * REFERENCE_SMS // groups))
+        row_programs = min(-(-rows // 16), max(1, self.config.resident_per_sm * REFERENCE_SMS // groups))
         programs = row_programs * groups
         atomics = programs * (self.k_group + self.k_shared)
         naive = rows * width * groups * k
@@ -676,6 +677,7 @@ class RationalPlan:
             f"  deterministic partials: {programs * k * 4 / 1e6:.2f} MB; compulsory bytes forward "
             f"{rows * width * groups * 8 / 1e9:.2f} GB (fp32 x read, y written), backward "
             f"{rows * width * groups * 12 / 1e9:.2f} GB (x, dy read, dx written)",
+            *self.config.describe(),
         ]
         return lines
 
@@ -701,20 +703,20 @@ class RationalPlan:
         return sizes
 
 
-def plan_rational(front: FrontEnd, bindings: dict[str, int]) -> RationalPlan | None:
+def plan_rational(front: FrontEnd, bindings: dict[str, int]) -> RationalPlan | Decline:
     """The rational family claims specs whose one output is element-wise in one input with grouped coefficients."""
     program = front.program
     found = _recognise(program)
-    if found is None:
-        return None
+    if isinstance(found, Decline):
+        return found
     roles, layouts, coefficients = found
     out_def = next(d for d in program.definitions if d.tensor == roles.output)
     try:
         formula = _Inliner(program, roles, layouts, coefficients).tensor(roles.output, {})
     except _NotOurs:
-        return None
+        return Decline("the output is not an element-wise formula of the input and the coefficients", out_def.span)
     if X not in formula.free_symbols:
-        return None
+        return Decline(f"the output does not depend on the input '{roles.x}'", out_def.span)
     derivation = derive(formula, coefficients, out_def.span)
     sizes: dict[str, int] = {}
     for axis in program.axes:

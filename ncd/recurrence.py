@@ -24,6 +24,8 @@ import sympy
 
 from . import ir
 from .errors import NcdError
+from .family import Decline
+from .kernels.recurrence_config import RecurrenceConfig
 from .pipeline import FrontEnd
 from .source import origin_name
 from .symbolic import SYMPY_FUNCTIONS
@@ -75,6 +77,13 @@ class RecurrencePlan:
     def output(self) -> str:
         return self.roles.output
 
+    @property
+    def config(self) -> RecurrenceConfig:
+        """What the plan decides for the kernels (ncd/kernels/recurrence_config.py); the generated module embeds it,
+        precisions left None (by input dtype) for NCD_GKA_DOT_PRECISION / NCD_GKA_GRAD_PRECISION at import."""
+        return RecurrenceConfig(iterations=self.iterations, ridge=self.ridge, output_factor=float(self.output_factor),
+                                scaling_input=self.roles.beta is not None)
+
     def describe(self) -> list[str]:
         r = self.roles
         return [
@@ -106,7 +115,8 @@ class RecurrencePlan:
             f"d/dbt: ({sympy.diff(self.key_scale, BETA)}), ({sympy.diff(self.value_scale, BETA)})",
             "kernels: forward 3 launches (both state scans; the norm; the solve, with the output in its epilogue); "
             "backward 8 (state recompute; right-hand side; solve; ridge terms; both reverse scans; 3 gradient "
-            "kernels)",
+            "kernels), static in ncd/kernels/recurrence.py; the spec's scalings enter as constexpr device functions",
+            *self.config.describe(),
         ]
 
     def render(self, program: ir.Program, op_id: str) -> str:
@@ -168,10 +178,10 @@ def _fp32_products() -> bool:
 # --- recognition --------------------------------------------------------------------------------------------
 
 
-def plan_recurrence(front: FrontEnd, bindings: dict[str, int]) -> RecurrencePlan | None:
+def plan_recurrence(front: FrontEnd, bindings: dict[str, int]) -> RecurrencePlan | Decline:
     program = front.program
     if not any(isinstance(n, ir.Scan) for d in program.definitions for n in ir.walk(d.value)):
-        return None
+        return Decline("the spec has no scan (a gated recurrence over time)")
     try:
         return _Recognizer(program).run()
     except NcdError as err:
@@ -297,6 +307,8 @@ class _Recognizer:
         origins = {"H": self.origin(h_name), "U": self.origin(u_name), "norm": self.origin(norm_name),
                    "lam": self.origin(lam_name), "solve": self.origin(x_name), "qa": self.origin(qa_name),
                    "output": self.origin(out),
+                   "key_scale": self.origin(kb1.tensor) if kb1.tensor in self.lets else self.origin(h_name),
+                   "value_scale": self.origin(vb.tensor) if vb.tensor in self.lets else self.origin(u_name),
                    "scale": (f"{self.file}:{self.program.tensor(scale).span.line}" if scale else self.origin(out))}
         return RecurrencePlan(roles=roles, ridge=ridge, iterations=solve.iterations, key_scale=key_scale,
                               value_scale=value_scale, rho=rho, origins=origins, output_factor=output_factor)

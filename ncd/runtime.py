@@ -1,4 +1,5 @@
-"""Call-time checks shared by every generated op: shapes by axis, dtypes, devices.
+"""Call-time checks shared by every generated op: shapes by axis, dtypes, devices (the custom ops, autograd and
+eager paths they guard are ncd/op_runtime's).
 
 Generated modules pass static tables (each input's axes; each axis's fixed size or split factors) and get
 back the size of every axis, or a `CallError` that names the tensor and the axis."""

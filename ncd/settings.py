@@ -60,6 +60,12 @@ class Settings:
     fit_carveout: bool = True
     # NCD_FAST_LAUNCH: launch compiled kernels directly after their first call (ncd/launch.py; default on)
     fast_launch: bool = True
+    # NCD_GENERIC_COMPILE: where generic-family ops run through torch.compile: cuda (CUDA tensors; default) | always
+    # | never (eager everywhere). Read when a generated module is imported (its COMPILE)
+    generic_compile: str = "cuda"
+    # NCD_TUNE_CACHE: keep autotuning decisions on disk, per device, under the cache directory (ncd/tuning.py;
+    # default on); 0 tunes afresh in every process
+    tune_cache: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -73,7 +79,9 @@ class Settings:
         return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=cache,
                    attention_factorize=factorize, gka_dot_precision=precision, gka_grad_precision=grad_precision,
                    attention_ds_buffer_bytes=_bytes("NCD_ATTENTION_DS_BUFFER_BYTES"),
-                   fit_carveout=_flag("NCD_FIT_CARVEOUT", True), fast_launch=_flag("NCD_FAST_LAUNCH", True))
+                   fit_carveout=_flag("NCD_FIT_CARVEOUT", True), fast_launch=_flag("NCD_FAST_LAUNCH", True),
+                   generic_compile=_choice("NCD_GENERIC_COMPILE", ("cuda", "always", "never")) or "cuda",
+                   tune_cache=_flag("NCD_TUNE_CACHE", True))
 
 
 def settings() -> Settings:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ir
-from .backend import KernelPlan, plan
+from .backend import KernelPlan
 from .ops import Op
 from .reference import evaluate
 
@@ -144,7 +144,7 @@ def check_op(op: Op, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfl
 def run_case(op: Op, forms, case: Case, device: str = "cpu", seed: int | None = None) -> Report:
     """Draw inputs for `case`, run the op in the case's form, compare output and gradients with float64."""
     target = forms.op_for(case)
-    kernel_plan = plan(target.front)
+    kernel_plan = target.plan
     sizes = forms.sizes(case, kernel_plan.validation_sizes(target.front.program))
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     inputs = random_inputs(target, kernel_plan, sizes, case.dtype, device, generator)
@@ -214,7 +214,7 @@ def _solve_notes(op: Op, report: Report, device: str, seed: int | None) -> list[
     if not solves or inputs is None:
         return []
     differentiable, grad_out = report.differentiable, report.grad_out  # type: ignore[attr-defined]
-    kernel_plan = plan(op.front)
+    kernel_plan = op.plan
 
     def gradients(unrolled: bool) -> tuple[torch.Tensor, ...]:
         leaves = {n: v.detach().to("cpu", torch.float64).requires_grad_(n in differentiable) for n, v in inputs.items()}

@@ -5,15 +5,16 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 
 import ast
+import dataclasses
 import hashlib
 import math
 
 import pytest
 import torch
+from ncd.codegen.attention import AttentionKernelSpec, AttentionSpecError, render_attention_module, spec_config
+from ncd.codegen.attention_op import kernel_spec
 
 from ncd.attention import plan_attention
-from ncd.codegen.attention import AttentionKernelSpec, AttentionSpecError, render_attention_module
-from ncd.codegen.attention_op import kernel_spec
 from ncd.ops import import_generated
 from ncd.pipeline import front_end
 
@@ -66,8 +67,9 @@ def compiled_kernel_spec(family: str, causal: bool = False, has_weight: bool = F
     return kernel_spec(family, plan.certificate, plan.roles, plan.maps, front.program)
 
 
-def load_attention_module(spec: AttentionKernelSpec, cache_dir):
-    text = render_attention_module(spec)
+def load_attention_module(spec: AttentionKernelSpec, cache_dir, **config):
+    """The generated module of `spec`; keyword arguments override fields of its config (AttentionConfig)."""
+    text = render_attention_module(spec, config=dataclasses.replace(spec_config(spec), **config))
     ident = f"kernels_{spec.name}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     return import_generated(ident, lambda: text, cache_dir)[0]
 
@@ -137,10 +139,10 @@ def _case_id(case):
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_forward_and_gradients_match_float64_reference(case, tmp_path, monkeypatch):
     family, causal, weight, (batch, hq, hkv, n_q, n_k, dim), dtype, noncontig = case
-    module = load_attention_module(compiled_kernel_spec(family, causal, weight), tmp_path)
+    # the dQ kernel that recomputes S and dP (no stored-dS buffer); DS_CASES test the stored-dS one
+    module = load_attention_module(compiled_kernel_spec(family, causal, weight), tmp_path, ds_buffer_bytes=0)
+    assert module.DS_BUFFER_BYTES == 0 and "ds_buffer_bytes=0," in module.__loader__.get_source(module.__name__)
     module.POISON_OUTPUTS = True
-    # the dQ kernel that recomputes S and dP; DS_CASES test the stored-dS one
-    monkeypatch.setattr(module, "DS_BUFFER_BYTES", 0)
     q, k, v, w = _inputs(batch, hq, hkv, n_q, n_k, dim, dtype, weight, noncontig)
     scale = 1.0 / math.sqrt(dim) * (0.7 if family == "softmax" else 1.0)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -175,7 +177,7 @@ def test_backward_from_stored_ds_matches_float64_reference(case, tma, tmp_path, 
     module.POISON_OUTPUTS = True
     monkeypatch.setattr(module, "DS_BUFFER_BYTES", 1 << 20)
     monkeypatch.setattr(module, "USE_TMA", tma)
-    kernel = getattr(module, f"_{family}_bwd_dq_ds_kernel")
+    kernel = module.KERNELS.bwd_dq_ds_kernel  # this op's autotuner of the static kernel
     # query tiles twice the dK/dV kernel's: dS tiles straddling the diagonal then hold entries it never wrote
     monkeypatch.setitem(kernel.configs[0].kwargs, "BLOCK_M", 32)
     launched = _count_launches(kernel, monkeypatch)
@@ -198,13 +200,13 @@ def test_backward_recomputes_when_the_ds_buffer_cannot_be_allocated(tmp_path, mo
     q, k, v, _ = _inputs(1, 2, 1, 21, 19, 16, torch.float32, False, False)
     ds_shape = (2, 19, 24)  # [B * Hq, Nk, Nq rounded up to 8]
 
-    def new(shape, dtype, device, _new=module._new):
+    def new(shape, dtype, device, _new=module.KERNELS.new):
         if tuple(shape) == ds_shape:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return _new(shape, dtype, device)
 
-    monkeypatch.setattr(module, "_new", new)
-    launched = _count_launches(module._softmax_bwd_dq_kernel, monkeypatch)
+    monkeypatch.setattr(module.KERNELS, "new", new)
+    launched = _count_launches(module.KERNELS.bwd_dq_kernel, monkeypatch)
     o = module.attention(q, k, v, None, 0.25)
     _assert_matches_float64("softmax", o, q, k, v, None, 0.25, True, 1e-4)
     assert launched == [1], "the backward did not fall back to the recomputing dQ kernel"
@@ -245,12 +247,17 @@ def test_rendered_module_is_valid_python_with_origins():
     )
     text = render_attention_module(spec)
     tree = ast.parse(text)
-    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    for fn in ("_attn_fwd_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
-               "forward", "backward", "Attention", "_attn_a1", "_attn_b"):
-        assert fn in names
+    # the module holds the spec's device functions only; the kernels are ncd/kernels/attention.py's
+    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert functions == {"_a1", "_a2", "_da1", "_da2", "_b", "_db_over_b", "attention"}
+    assigned = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    assert {"forward", "backward", "Attention", "CONFIG", "KERNELS"} <= assigned
     imports = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
-    assert imports <= {"math", "os", "torch", "triton", "triton.language"}
+    assert imports <= {"math", "torch", "triton", "triton.language"}
+    assert {n.module for n in tree.body if isinstance(n, ast.ImportFrom)} == {"ncd.kernels", "ncd.kernels.attention"}
+    assert "CAUSAL" not in text and "causal=True,  # spec.ncd:9" in text  # flags enter as constructor arguments
+    assert len(text.splitlines()) <= 150
     assert "return x * x  # spec.ncd:7" in text
     assert "# spec.ncd:9" in text and "attention: spec.ncd:3" in text
     assert "tl.full(x.shape, 1.0, tl.float32)" in text  # constant derivative broadcast to the tile
@@ -277,7 +284,7 @@ def test_heads_fast_grid_order(family, tmp_path):
     """The HEADS_FAST launch order (batch * heads on the x axis) computes the same thing."""
     module = load_attention_module(compiled_kernel_spec(family, causal=True), tmp_path / "hf")
     for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
-        getattr(module, f"_{family}_{kernel}_kernel").configs[0].kwargs["HEADS_FAST"] = 1
+        getattr(module.KERNELS, f"{kernel}_kernel").configs[0].kwargs["HEADS_FAST"] = 1
     module.POISON_OUTPUTS = True
     q, k, v, _ = _inputs(1, 4, 2, 35, 35, 16, torch.float32, False, False)
     o = module.attention(q, k, v, None, 0.25)
@@ -351,20 +358,22 @@ def test_factorized_forward_and_gradients_match_float64_reference(case, tmp_path
         assert rel_err(got, want) < tol, f"{name}: rel err {rel_err(got, want):.2e}"
 
 
-def test_factorized_kernels_render_only_the_coefficients_they_use():
+def test_factorized_module_passes_the_coefficients():
+    """The factorized kernels are static (ncd/kernels/attention_chunked.py); the module passes the coefficients of
+    a1, a2 (constexprs there, so the terms of zero coefficients compile away) with their origin."""
     front, plan = _front("spherical", True, True)
     spec = kernel_spec("sph", plan.certificate, plan.roles, plan.maps, front.program, (), True)
     text = render_attention_module(spec, plan.factorization)
-    names = {n.name for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)}
-    for fn in ("_sph_fact_state_fwd_kernel", "_sph_fact_fwd_kernel", "_sph_fact_dq_kernel",
-               "_sph_fact_state_bwd_kernel", "_sph_fact_dkdv_kernel", "forward_factorized", "backward_factorized"):
-        assert fn in names
-    assert "FACT_NEED_VEC = False" in text and "tl.load(WSUM + state)" not in text  # c0 = e0 = e1 = 0
-    assert "# Factorized form  # spherical.ncd:10" in text  # the normalize line
+    names = {t.id for n in ast.parse(text).body if isinstance(n, (ast.Assign, ast.AnnAssign))
+             for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    assert {"forward_factorized", "backward_factorized", "FactorizedAttention", "CHUNK"} <= names
+    assert "FACT_NEED_VEC = False" in text  # c0 = e0 = e1 = 0
+    assert "coefficients=(0.0, 1.0, 0.0, 0.0, 1.0),  # spherical.ncd:10" in text  # the normalize line
+    assert "factorized=True" in text  # the config says the form is there
     poly_front, poly_plan = _front("poly", False, False)
     poly = render_attention_module(kernel_spec("poly", poly_plan.certificate, poly_plan.roles, poly_plan.maps,
                                                poly_front.program, (), True), poly_plan.factorization)
-    assert "FACT_NEED_VEC = True" in poly and "tl.load(WSUM + state)" in poly
+    assert "FACT_NEED_VEC = True" in poly and "coefficients=(0.5, -2.0, 1.0, 1.0, 3.0)," in poly
     with pytest.raises(AttentionSpecError, match="polynomial"):
         render_attention_module(softmax_spec(), poly_plan.factorization)
 
@@ -396,7 +405,53 @@ def test_pointer_and_tma_paths_agree(family, tmp_path):
 def test_atomic_dq_backward_matches_float64(family, tmp_path):
     """DETERMINISTIC_BWD = False: one kernel per key block adds its dQ share into an fp32 accumulator with
     atomics; causal, grouped heads, per-key weights, ragged sizes."""
-    module = load_attention_module(compiled_kernel_spec(family, causal=True, has_weight=True), tmp_path)
-    module.POISON_OUTPUTS, module.DETERMINISTIC_BWD = True, False
+    module = load_attention_module(compiled_kernel_spec(family, causal=True, has_weight=True), tmp_path,
+                                   deterministic_bwd=False)
+    module.POISON_OUTPUTS = True
     q, k, v, w = _inputs(2, 4, 2, 37, 45, 16, torch.float32, True, False)
     _assert_matches_float64(family, module.attention(q, k, v, w, 0.25), q, k, v, w, 0.25, True, 1e-4)
+
+
+def test_two_ops_share_the_static_kernels_but_not_their_tuning(tmp_path):
+    """Two specs with different maps in one process: the same static kernels, each op with its own autotuners
+    (whose key holds the op's maps), and each op computes its own maps, interleaved."""
+    from ncd.kernels import attention as kernels
+
+    spherical = load_attention_module(compiled_kernel_spec("spherical", causal=True), tmp_path / "a")
+    signed = load_attention_module(compiled_kernel_spec("signed_l1", causal=True), tmp_path / "b")
+    for name in ("fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_fused_kernel"):
+        tuned = [getattr(m.KERNELS, name) for m in (spherical, signed)]
+        assert tuned[0] is not tuned[1] and tuned[0].fn is tuned[1].fn is getattr(kernels, name)
+        assert {"A1", "A2", "B"} <= set(tuned[0].keys)  # the op's maps are in the tuning key
+    q, k, v, _ = _inputs(1, 2, 1, 19, 17, 16, torch.float32, False, False)
+    for family, module in (("spherical", spherical), ("signed_l1", signed)):
+        module.POISON_OUTPUTS = True
+        q.grad = k.grad = v.grad = None
+        _assert_matches_float64(family, module.attention(q, k, v, None, 0.3), q, k, v, None, 0.3, True, 1e-4)
+
+
+def test_rendered_module_is_ruff_clean_and_imports_what_it_uses():
+    """Maps that need no `tl` (and a spec's long maps, whose origin moves to the comment line) still lint clean."""
+    from ncd.lint import lint_generated
+
+    plain = AttentionKernelSpec(name="sq", a1="x * x", a2="(x * x)", da1="2.0 * x", da2="2.0 * x", b="z",
+                                db_over_b="1.0 / z", online_max=False, causal=False, has_weight=False,
+                                origin=(("a1", "sq.ncd:4"),))
+    text = render_attention_module(plain)
+    assert "import triton.language as tl" not in text and "return x * x  # sq.ncd:4" in text
+    assert lint_generated(text, "sq") == []
+    long_map = "tl.where((x) <= 0, tl.exp(-tl.abs(x))/(tl.exp(-tl.abs(x)) + 1.0), (1.0 / ((tl.exp(-tl.abs(x)) + 1.0))))"
+    sig = dataclasses.replace(plain, name="sig", a1=long_map, a2=long_map, origin=(("a1", "sig.ncd:14"),))
+    text = render_attention_module(sig)
+    assert "# a1: numerator map; sig.ncd:14" in text and lint_generated(text, "sig") == []
+
+
+def test_kernels_refuse_an_incomplete_set_of_maps(tmp_path):
+    from ncd.kernels.attention import AttentionConfig, AttentionKernels
+
+    maps = dict(load_attention_module(spherical_spec(), tmp_path).MAPS)
+    with pytest.raises(ValueError, match=r"missing \['B'\]"):
+        AttentionKernels("x", AttentionConfig(), {k: v for k, v in maps.items() if k != "B"}, {}, causal=False,
+                         has_weight=False)
+    with pytest.raises(ValueError, match="PRE and DPRE come together"):
+        AttentionKernels("x", AttentionConfig(), {**maps, "PRE": maps["A1"]}, {}, causal=False, has_weight=False)

@@ -94,11 +94,12 @@ def test_generated_code_is_readable_python_with_origins(op_cache):
     text = op.path.read_text()
     ast.parse(text)
     assert "# spherical_attention.ncd:16" in text  # the normalize line
-    assert "tl.sqrt(z)" in text and "torch.library.custom_op" in text
+    assert "tl.sqrt(z)" in text and "_attention.AttentionOp(" in text  # the op: ncd/op_runtime
     assert list(inspect.signature(op.fn).parameters) == ["Q", "K", "V", "scale"]
     # the forward's autotune set is the plan's cost ranking, best first
     best = plan(op.front).estimates[0].config
-    assert f'"fwd": [({best.block_m}, {best.block_n}, {best.num_warps}, {best.num_stages}), ' in text
+    assert f"forward_tiles=(\n        ({best.block_m}, {best.block_n}, {best.num_warps}, {best.num_stages}),\n" in text
+    assert plan(op.front).config == op.module.CONFIG  # the plan's config, embedded as literals
 
 
 @pytest.mark.parametrize("stem", ["spherical_attention", "causal_gqa_spherical"])
@@ -109,8 +110,9 @@ def test_every_tuned_kernel_is_tuned_per_batch_and_heads(op_cache, stem):
     import triton
 
     module = _load(stem, op_cache).module
-    tuned = {name: obj for name, obj in vars(module).items() if isinstance(obj, triton.runtime.Autotuner)}
-    assert any(name.endswith("_bwd_dq_kernel") for name in tuned) and any("_fact_" in name for name in tuned)
+    # the op's autotuners of the static kernels (ncd/kernels/attention*.py)
+    tuned = {name: obj for name, obj in vars(module.KERNELS).items() if isinstance(obj, triton.runtime.Autotuner)}
+    assert any(name.endswith("bwd_dq_kernel") for name in tuned) and any("fact_" in name for name in tuned)
     for name, kernel in tuned.items():
         assert "WORK" in kernel.keys or "HEADS_BUCKET" in kernel.keys, name
 
@@ -148,7 +150,7 @@ def test_torch_compile_fullgraph_forward_and_backward(op_cache):
 def test_eager_calls_skip_the_custom_ops(op_cache, monkeypatch, stem, form):
     """Eager calls run the kernels' autograd.Functions: the custom ops' dispatch cost about 60-190 us of host time a
     forward on the H100 machine. torch.compile still sees the custom ops (the fullgraph tests)."""
-    from torch._library.custom_ops import CustomOpDef
+    from ncd.op_runtime import REGISTERED
 
     op = _load(stem, op_cache)
     if form is not None:
@@ -156,13 +158,15 @@ def test_eager_calls_skip_the_custom_ops(op_cache, monkeypatch, stem, form):
     q, k, v = _qkv(n=21, m=21, requires_grad=True)
     expected = op(q, k, v)
     expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
-    custom = [name for name, value in vars(op.module).items() if isinstance(value, CustomOpDef)]
-    assert len(custom) == (4 if form else 2), custom
+    ident = op.module.__name__.removeprefix("ncd_generated_")
+    kernel_ops = [k for name, k in REGISTERED.items() if name in (f"ncd::{ident}", f"ncd::{ident}_factorized")]
+    assert len(kernel_ops) == (2 if form else 1), sorted(REGISTERED)
 
     def no_dispatch(*args, **kwargs):
         raise AssertionError("an eager call dispatched through a custom op")
-    for name in custom:
-        monkeypatch.setattr(op.module, name, no_dispatch)
+    for kernel_op in kernel_ops:
+        for name in ("forward_op", "backward_op"):
+            monkeypatch.setattr(kernel_op, name, no_dispatch)
     out = op(q, k, v)
     torch.testing.assert_close(out, expected)
     for got, want in zip(torch.autograd.grad(out.sum(), (q, k, v)), expected_grads, strict=True):
@@ -454,7 +458,7 @@ def test_odd_head_dim_is_computed_at_the_tile_without_copies(tmp_path, op_cache,
     assert "head dim: 80, tiled as 128 (the kernels mask the columns past 80" in out
     op = ncd.load(path, cache_dir=op_cache)
     code = op.path.read_text()
-    assert "functional.pad" not in code and "_in_head(offs_d, HEAD_DIM, D)" in code
+    assert "functional.pad" not in code and "head_tile" in code  # the static kernels mask the columns past D
     q, k, v = _qkv(n=5, m=7, d=80, requires_grad=True)
     out = op(q, k, v)
     names, stack = set(), [out.grad_fn]

@@ -2,10 +2,12 @@
 per-timestep recurrence running the same Chebyshev iteration, every gradient against autograd through it, final
 and initial states, packed sequences, the layer, call-time checks and the recurrence pass's rejections.
 Fresh random inputs in the layer's domain at odd sizes (T = 100 with chunk 16, T not a multiple of the chunk);
-outputs poisoned with NaN (the generated module's POISON_OUTPUTS)."""
+outputs poisoned with NaN (the config's poison_outputs). Precisions and tiles are forced by replacing the generated
+module's CONFIG (ncd/kernels/recurrence_config.py), never by overwriting its globals."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from functools import partial
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 import ncd
 from ncd.errors import CallError
 from ncd.gka_reference import chunked_gka, naive_gka
+from ncd.kernels import recurrence as kernels
 from ncd.ops import chunk_gka, shipped_spec
 
 from .conftest import ROOT, raise_float_errors
@@ -29,17 +32,20 @@ def gka_module():
     """The generated module with IEEE fp32 products: the interpreter's exact arithmetic then shows the chunked
     algorithm's own error. The default scaled-fp16 products have their own tests (test_default_fp16_...)."""
     op = ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V})
-    op.module.POISON_OUTPUTS = True
-    op.module.DOT_PRECISION = "ieee"
+    default = op.module.CONFIG
+    op.module.CONFIG = dataclasses.replace(default, poison_outputs=True, dot_precision="ieee")
     yield op.module
-    op.module.POISON_OUTPUTS = False
-    op.module.DOT_PRECISION = None
+    op.module.CONFIG = default
+
+
+def configure(monkeypatch, module, **changes):
+    """The generated module's CONFIG with `changes` (precisions, tiles) for the rest of the test."""
+    monkeypatch.setattr(module, "CONFIG", dataclasses.replace(module.CONFIG, **changes))
 
 
 def exact_products(monkeypatch, k=K, v=V):
     """IEEE fp32 products for the op compiled at (k, v), as the fixture above, for tests going through ncd.ops."""
-    module = ncd.load(shipped_spec("gka"), sizes={"kdim": k, "vdim": v}).module
-    monkeypatch.setattr(module, "DOT_PRECISION", "ieee")
+    configure(monkeypatch, ncd.load(shipped_spec("gka"), sizes={"kdim": k, "vdim": v}).module, dot_precision="ieee")
 
 
 def draw(B=2, T=100, H=2, gen_seed=None, beta=True, alpha=True):
@@ -117,7 +123,7 @@ def test_inference_call_skips_the_saved_solution_and_gives_the_same_output(gka_m
 def test_torch_compile_sees_the_custom_ops_and_eager_calls_skip_them(gka_module, monkeypatch):
     """torch.compile(fullgraph=True) of the op (its custom ops, fake tensors, registered autograd) gives the eager
     output, final state and gradients; eager calls run the kernels' autograd.Function, never the custom ops."""
-    from torch._library.custom_ops import CustomOpDef
+    from ncd.op_runtime import REGISTERED
 
     leaves = [t.clone().requires_grad_() for t in draw(T=37)]
 
@@ -130,13 +136,14 @@ def test_torch_compile_sees_the_custom_ops_and_eager_calls_skip_them(gka_module,
 
     compiled = torch.compile(run, fullgraph=True, backend="aot_eager")(*leaves)
     compiled_grads = torch.autograd.grad(loss(compiled), leaves)
-    custom = [name for name, value in vars(gka_module).items() if isinstance(value, CustomOpDef)]
-    assert len(custom) == 2, custom
+    ident = gka_module.__name__.removeprefix("ncd_generated_")
+    kernel_ops = [k for name, k in REGISTERED.items() if name == f"ncd::{ident}"]
+    assert len(kernel_ops) == 1, sorted(REGISTERED)
 
     def no_dispatch(*args, **kwargs):
         raise AssertionError("an eager call dispatched through a custom op")
-    for name in custom:
-        monkeypatch.setattr(gka_module, name, no_dispatch)
+    for name in ("forward_op", "backward_op"):
+        monkeypatch.setattr(kernel_ops[0], name, no_dispatch)
     eager = run(*leaves)
     for got, want in zip(eager, compiled, strict=True):
         torch.testing.assert_close(got, want)
@@ -195,11 +202,11 @@ def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
     sensitivity to operand rounding is about eps / ridge = 2^-11 / 0.02 = 2.4e-2 (kappa <= 1 / ridge + 1), reached
     on the first tokens of a sequence where H_t has rank one; measured 5.6e-3 to 7.8e-3 for o, up to 1.9e-2 for
     dalpha."""
-    monkeypatch.setattr(gka_module, "DOT_PRECISION", "fp16")  # fp32 inputs default to fp32-class products
+    configure(monkeypatch, gka_module, dot_precision="fp16")  # fp32 inputs default to fp32-class products
     inputs = draw(T=77)
     o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
-    monkeypatch.setattr(gka_module, "DOT_PRECISION", "ieee")
+    configure(monkeypatch, gka_module, dot_precision="ieee")
     o_exact, _ = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
     errors = {name: rms_ratio(got, want) for name, got, want in
               zip(["o", "q", "k", "v", "g", "beta", "alpha"], (o, *grads), (ref, *ref_grads), strict=True)}
@@ -219,16 +226,14 @@ def test_backward_split_fp16_products_match_fp32_products(gka_module, monkeypatc
     in both: the default fp16 solve's own rounding would hide the difference.) bf16 keys, values and dO enter the
     products unsplit (one or two products): the fp32 gradients (g, beta, alpha, which every changed product feeds)
     still agree to 1e-5, and q, k, v's to their bf16 rounding."""
-    monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
-    monkeypatch.setattr(gka_module, "GRAD_PRECISION", None)
-    assert gka_module._grad_precision(dtype) == "fp16x3"
-    monkeypatch.setattr(gka_module, "DOT_PRECISION", "ieee")
-    monkeypatch.setattr(gka_module, "GRAD_PRECISION", "fp16x3")
+    configure(monkeypatch, gka_module, dot_precision=None, grad_precision=None)
+    assert kernels.grad_precision(gka_module.CONFIG, dtype) == "fp16x3"
+    configure(monkeypatch, gka_module, dot_precision="ieee", grad_precision="fp16x3")
     q, k, v, g, b, a = draw(T=77)
     inputs = [q.to(dtype), k.to(dtype), v.to(dtype), g, b, a]
     core = partial(gka_module.chunk, chunk_size=16)
     _, split = _forward_and_grads(core, inputs)
-    monkeypatch.setattr(gka_module, "GRAD_PRECISION", "ieee")
+    configure(monkeypatch, gka_module, grad_precision="ieee")
     _, exact = _forward_and_grads(core, inputs)
     errors = {name: rms_ratio(a, b) for name, a, b in
               zip(["q", "k", "v", "g", "beta", "alpha"], split, exact, strict=True)}
@@ -244,7 +249,7 @@ def test_saved_norms_match_the_frobenius_norm_of_the_naive_states(gka_module, mo
     scaled fp16 operands."""
     from ncd.gka_reference import _scaled
 
-    monkeypatch.setattr(gka_module, "DOT_PRECISION", precision)
+    configure(monkeypatch, gka_module, dot_precision=precision)
     q, k, v, g, b, a = draw(B=1, H=2, T=45)
     h0 = torch.randn(1, 2, K, K)
     h0 = h0 @ h0.transpose(-1, -2) / K
@@ -268,7 +273,7 @@ def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
     h0 = h0 @ h0.transpose(-1, -2) * 1e5
     s0 = torch.randn(B, H, K, V) * 1e5
     inputs = (q, k * 30, v * 1e5, g, b, a)
-    monkeypatch.setattr(gka_module, "DOT_PRECISION", "fp16")
+    configure(monkeypatch, gka_module, dot_precision="fp16")
     o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs, (h0, s0))
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs), (h0.double(), s0.double()))
     bound = _tolerances("float16")
@@ -283,7 +288,7 @@ def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_module
     2 x 2, an output block spanning two) and an initial state whose blocks differ by 1e4, a misplaced tile scale
     would be off by orders of magnitude; read back right, o is as accurate as with one tile per state, also with the
     output split into 16-column blocks."""
-    monkeypatch.setattr(gka_module, "DOT_PRECISION", "fp16")
+    configure(monkeypatch, gka_module, dot_precision="fp16")
     q, k, v, g, b, a = draw(B=1, H=2, T=40)
     rows = torch.cat([torch.full((K // 2,), 1.0), torch.full((K // 2,), 100.0)])
     h0 = torch.randn(1, 2, K, K) * rows[:, None]
@@ -291,9 +296,9 @@ def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_module
     s0 = torch.randn(1, 2, K, V) * rows[:, None]
     ref, _ = naive_gka(*f64((q, k, v, g, b, a)), initial_state=(h0.double(), s0.double()))
     one_tile, _ = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
-    monkeypatch.setattr(gka_module, "SCAN_TILES", dict(gka_module.SCAN_TILES, fwd=(16, 16, 4)))
+    configure(monkeypatch, gka_module, scan_tiles_fwd=(16, 16, 4))
     tiled, _ = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
-    monkeypatch.setattr(gka_module, "OUTPUT_BV", 16)  # the solve's output over two blocks of value columns
+    configure(monkeypatch, gka_module, output_bv=16)  # the solve's output over two blocks of value columns
     split = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)[0]
     bound = _tolerances("float16")["o"]
     assert rms_ratio(one_tile, ref) <= bound
@@ -306,7 +311,7 @@ def test_output_value_column_blocks_agree_with_one_block(gka_module, monkeypatch
     block of 32, or two of 16 whose second is partly masked); with IEEE products the two agree to rounding."""
     inputs = draw(B=1, H=2, T=45)
     one_block, _ = gka_module.chunk(*inputs, chunk_size=16)
-    monkeypatch.setattr(gka_module, "OUTPUT_BV", 16)
+    configure(monkeypatch, gka_module, output_bv=16)
     two_blocks, _ = gka_module.chunk(*inputs, chunk_size=16)
     assert rms_ratio(two_blocks, one_block) <= 1e-6
 
@@ -315,11 +320,11 @@ def test_bf16_inputs_scan_with_bf16_products_within_the_bf16_limits(gka_module, 
     """bf16 inputs: the forward's state scans multiply bf16 operands (the keys or values exactly, the weighted keys
     rounded); the backward recomputes its states with TF32 products. Output, final states and gradients against
     the float64 recurrence on the same bf16 inputs, within the bf16 limits the plan states."""
-    monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
+    configure(monkeypatch, gka_module, dot_precision=None)
     q, k, v, g, b, a = draw(T=77)
     inputs = [t.bfloat16() for t in (q, k, v)] + [g, b.bfloat16(), a.bfloat16()]
-    assert gka_module._scan_precision(torch.bfloat16) == "bf16"
-    assert gka_module._scan_precision(torch.float32) == "ieee"  # fp32 inputs: fp32 products
+    assert kernels.scan_precision(gka_module.CONFIG, torch.bfloat16) == "bf16"
+    assert kernels.scan_precision(gka_module.CONFIG, torch.float32) == "ieee"  # fp32 inputs: fp32 products
     o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
     bound = _tolerances("bfloat16")
@@ -328,7 +333,7 @@ def test_bf16_inputs_scan_with_bf16_products_within_the_bf16_limits(gka_module, 
     for name, got, want in zip(["q", "k", "v", "g", "beta", "alpha"], grads, ref_grads, strict=True):
         assert rms_ratio(got, want) <= bound["grad"], name
     _, (h_bf16, s_bf16) = gka_module.chunk(*inputs, output_final_state=True, chunk_size=16)
-    monkeypatch.setattr(gka_module, "_scan_precision", lambda dtype: "tf32")
+    monkeypatch.setattr(kernels, "scan_precision", lambda config, dtype: "tf32")
     _, (h_tf32, s_tf32) = gka_module.chunk(*inputs, output_final_state=True, chunk_size=16)
     _, (h_ref, s_ref) = naive_gka(*f64(inputs))
     for got, other, want in ((h_bf16, h_tf32, h_ref), (s_bf16, s_tf32, s_ref)):
@@ -457,7 +462,7 @@ def test_recurrence_pass_rejects_what_it_cannot_chunk_with_a_located_error(tmp_p
 def test_solve_is_tuned_per_step_count(gka_module):
     """The solve's best warps depend on its step count (H200, T = 8192: tuned at num_iter 0, 8 warps; kept for
     10 steps that cost 1,108 us against 677 with 4), so num_iter is part of its autotune key."""
-    assert "n_iter" in gka_module._solve.keys
+    assert "n_iter" in kernels._solve.keys
 
 
 def test_every_tuned_kernel_is_tuned_per_problem_size(gka_module):
@@ -466,11 +471,11 @@ def test_every_tuned_kernel_is_tuned_per_problem_size(gka_module):
     every autotuned kernel's key holds WORK, the chunk x head count rounded up to a power of two."""
     import triton
 
-    tuned = {name: obj for name, obj in vars(gka_module).items() if isinstance(obj, triton.runtime.Autotuner)}
+    tuned = {name: obj for name, obj in vars(kernels).items() if isinstance(obj, triton.runtime.Autotuner)}
     assert {"_norm_fwd", "_solve", "_grads_h", "_grads_s"} <= set(tuned)
     for name, kernel in tuned.items():
         assert "WORK" in kernel.keys, name
-    assert gka_module._work(5, 2) == 16 and gka_module._work(512, 8) == 4096
+    assert kernels._work(5, 2) == 16 and kernels._work(512, 8) == 4096
 
 
 def test_every_launch_passes_only_arguments_its_kernel_takes(gka_module, monkeypatch):
@@ -504,18 +509,18 @@ def test_every_launch_passes_only_arguments_its_kernel_takes(gka_module, monkeyp
                 return self.name  # stands for the compiled kernel, which the interpreter does not return
             return launch
 
-    kernels = {name: obj for name, obj in vars(gka_module).items() if name.startswith("_") and hasattr(obj, "fn")
-               and "tl.program_id" in inspect.getsource(python_function(obj))}  # launched, not device functions
-    for name, kernel in kernels.items():
-        monkeypatch.setattr(gka_module, name, StrictKernel(name, kernel))
+    launchable = {name: obj for name, obj in vars(kernels).items() if name.startswith("_") and hasattr(obj, "fn")
+                  and "tl.program_id" in inspect.getsource(python_function(obj))}  # launched, not device functions
+    for name, kernel in launchable.items():
+        monkeypatch.setattr(kernels, name, StrictKernel(name, kernel))
     fitted = []
-    monkeypatch.setattr(gka_module, "_fit_carveout", fitted.append)
-    monkeypatch.setattr(gka_module, "DOT_PRECISION", None)
+    monkeypatch.setattr(kernels, "_fit_carveout", fitted.append)
+    configure(monkeypatch, gka_module, dot_precision=None)
     q, k, v, g, b, a = draw(B=1, H=2, T=20)
     h0 = torch.randn(1, 2, K, K)
     state = (h0 @ h0.transpose(-1, -2) / K, torch.randn(1, 2, K, V))
     _forward_and_grads(partial(gka_module.chunk, chunk_size=16, output_final_state=True), (q, k, v, g, b, a), state)
-    assert launched == set(kernels)
+    assert launched == set(launchable)
     assert set(fitted) == launched and len(fitted) == 11  # 3 forward launches, 8 backward (its own state scan too)
 
 
@@ -523,9 +528,38 @@ def test_plan_shows_the_derived_chunked_form():
     spec = str(ROOT / "specs" / "gka.ncd")
     result = subprocess.run([sys.executable, "-m", "ncd.cli", "compile", spec, "--emit", "plan"],
                             capture_output=True, text=True, check=True)
-    expected_lines = ("1/(2*a + 1)", "Gram form", "implicit differentiation", "gka.ncd:26", "(bt + 1/1000000)")
+    expected_lines = ("1/(2*a + 1)", "Gram form", "implicit differentiation", "gka.ncd:26", "(bt + 1/1000000)",
+                      "config:", "iterations 30, ridge 0.02", "scan tiles")
     for expected in expected_lines:
         assert expected in result.stdout
+
+
+def test_generated_module_holds_the_hooks_and_config_and_the_kernels_are_static(gka_module):
+    """The kernels live in ncd/kernels/recurrence.py; the generated module holds only the spec's device functions
+    (the scalings and their derivatives, with origins) and the plan's config as literals, which the op uses."""
+    import inspect
+
+    import triton
+
+    from ncd.backend import plan
+
+    op = ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V})
+    jitted = {name for name, obj in vars(op.module).items() if isinstance(obj, triton.runtime.JITFunction)
+              or type(obj).__name__ == "InterpretedFunction"}
+    assert jitted == {"_key_scale", "_value_scale", "_key_scale_grad", "_value_scale_grad"}
+    assert not any(isinstance(obj, triton.runtime.Autotuner) for obj in vars(op.module).values())
+    text = op.path.read_text()
+    assert "tl.dot" not in text and "gka.ncd:24" in inspect.getsource(op.module._key_scale.fn)
+    assert len(text.splitlines()) <= 300  # issue 31's target for a generated module
+    config = plan(op.front).config
+    embedded = dataclasses.replace(op.module.CONFIG, poison_outputs=False,  # the fixture's changes undone
+                                   dot_precision=config.with_settings().dot_precision)
+    assert embedded == config.with_settings()
+    defaults = (op.module.RIDGE, op.module.ITERATIONS, op.module.CHUNK)  # the op's keyword defaults
+    assert defaults == (config.ridge, config.iterations, config.chunk)
+    assert op.module.HOOKS.rho(0.02) == pytest.approx(1 / 1.04)
+    with pytest.raises(ValueError, match="dot_precision must be None or one of"):
+        dataclasses.replace(config, dot_precision="fp8")
 
 
 def test_precision_settings_are_validated(monkeypatch):

@@ -5,6 +5,7 @@ get fp32-class products by default, checked per token. Small odd sizes on the CP
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from functools import partial
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 import ncd
 from ncd.errors import CallError, NcdError
 from ncd.gka_reference import naive_gka
+from ncd.kernels import recurrence as kernels
 from ncd.ops import chunk_gka, shipped_spec
 from ncd.reference import evaluate
 
@@ -33,9 +35,15 @@ def load_variant(tmp_path, text, name="gka_variant"):
 @pytest.fixture(scope="module")
 def gka():
     op = ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V})
-    op.module.POISON_OUTPUTS = True
+    default = op.module.CONFIG
+    op.module.CONFIG = dataclasses.replace(default, poison_outputs=True)
     yield op.module
-    op.module.POISON_OUTPUTS = False
+    op.module.CONFIG = default
+
+
+def configure(monkeypatch, module, **changes):
+    """The generated module's CONFIG with `changes` (precisions) for the rest of the test."""
+    monkeypatch.setattr(module, "CONFIG", dataclasses.replace(module.CONFIG, **changes))
 
 
 def spec_reference(module, q, k, v, g, beta, alpha):
@@ -91,7 +99,7 @@ def test_constant_scalings_ridge_and_output_factors_are_honoured(tmp_path):
     """kb = k * 0.5, vb = v * 2 (no beta input), lam = ridge * 1.5 * normH and o = -3 * scale * (...): the op
     matches the spec's own float64 evaluation, forward and every gradient (it used to drop the scalings: 68% off)."""
     op = load_variant(tmp_path, CONSTANT_SCALINGS)
-    op.module.DOT_PRECISION = "ieee"
+    op.module.CONFIG = dataclasses.replace(op.module.CONFIG, dot_precision="ieee")
     q, k, v, g, _, a = draw(B=1, T=21)
     do = torch.randn(1, 21, 2, V, generator=torch.Generator().manual_seed(1))
     o, grads = grads_of(lambda *t: op(*t), (q, k, v, g, a), do)
@@ -217,7 +225,7 @@ def test_inputs_without_a_default_are_required(gka):
 # --- item 5: a tensor scale, double backward -------------------------------------------------------------------
 
 def test_tensor_scale_gets_its_gradient(gka, monkeypatch):
-    monkeypatch.setattr(gka, "DOT_PRECISION", "ieee")
+    configure(monkeypatch, gka, dot_precision="ieee")
     inputs = draw(B=1, T=19)
     scale = torch.tensor(0.37)
     do = torch.randn(1, 19, 2, V, generator=torch.Generator().manual_seed(2))
@@ -258,7 +266,7 @@ def test_a_nan_stays_at_and_after_its_token(gka, monkeypatch):
     q[9] of head 1 makes that one output NaN. Every other
     output and state is the clean run's (no NaN leaks back to earlier tokens of the chunk), and with no gradient
     from the NaN outputs every gradient elsewhere is the clean run's."""
-    monkeypatch.setattr(gka, "DOT_PRECISION", "ieee")
+    configure(monkeypatch, gka, dot_precision="ieee")
     T = 21
     clean = draw(B=1, T=T, H=4)
     dirty = [x.clone() for x in clean]
@@ -310,7 +318,9 @@ def test_packed_sequences_are_poisoned_from_the_bad_token_to_their_own_end(gka):
     """With cu_seqlens, a state-breaking token poisons the rest of its own sequence only (and its final state)."""
     bad = torch.zeros(1, 12, 2, dtype=torch.bool)
     bad[0, 2, 0] = bad[0, 9, 1] = True
-    after, per_sequence = gka._poisoned_from(bad, [0, 4, 4, 7, 12], True)
+    from ncd.op_runtime.gka import poisoned_from
+
+    after, per_sequence = poisoned_from(bad, [0, 4, 4, 7, 12], True)
     want = torch.zeros_like(bad)
     want[0, 2:4, 0] = want[0, 9:12, 1] = True
     assert torch.equal(after, want)
@@ -320,7 +330,7 @@ def test_packed_sequences_are_poisoned_from_the_bad_token_to_their_own_end(gka):
 def test_a_minus_infinite_gate_is_a_full_reset(gka, monkeypatch):
     """g = -inf (exp(g) = 0: the states restart) at a chunk's first, middle and last tokens: output, final states
     and every gradient finite and as the float64 recurrence computes them (dg = 0 at the reset, as exp(g)'s)."""
-    monkeypatch.setattr(gka, "DOT_PRECISION", "ieee")
+    configure(monkeypatch, gka, dot_precision="ieee")
     inputs = draw(B=1, T=37)
     inputs[3][0, [0, 7, 15, 16], :] = float("-inf")
     inputs[3][0, 30, 1] = float("-inf")
@@ -344,9 +354,9 @@ def test_fp32_inputs_get_fp32_class_products_by_default_per_token(gka, monkeypat
     """fp32 inputs, default precision: every token's output row and every gradient row within 1e-3 of the float64
     recurrence (the fp16 products put the first tokens 7-27% off while the whole-tensor error read 0.7%). bf16
     inputs keep the fast scaled-fp16 products; NCD_GKA_DOT_PRECISION still overrides."""
-    monkeypatch.setattr(gka, "DOT_PRECISION", None)
-    monkeypatch.setattr(gka, "GRAD_PRECISION", None)
-    assert gka._solve_precision(torch.bfloat16) == "fp16" and gka._solve_precision(torch.float32) == "ieee"
+    configure(monkeypatch, gka, dot_precision=None, grad_precision=None)
+    assert kernels.solve_precision(gka.CONFIG, torch.bfloat16) == "fp16"
+    assert kernels.solve_precision(gka.CONFIG, torch.float32) == "ieee"
     inputs = draw(B=1, T=21)
     do = torch.randn(1, 21, 2, V, generator=torch.Generator().manual_seed(6))
     core = partial(gka.chunk, chunk_size=16)
@@ -358,6 +368,6 @@ def test_fp32_inputs_get_fp32_class_products_by_default_per_token(gka, monkeypat
     print("GKA fp32 default products vs float64, worst token:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
     assert errors.pop("o") < 1e-3
     assert max(errors.values()) < 1e-3
-    monkeypatch.setattr(gka, "DOT_PRECISION", "fp16")
+    configure(monkeypatch, gka, dot_precision="fp16")
     o16, _ = core(*inputs)
     assert max_token_error(o16, ref) > 1e-3  # the override still selects the fp16 products

@@ -27,11 +27,12 @@ import pytest
 
 import ncd
 import ncd.backend
+import ncd.families
 import ncd.limits
 from ncd.cli import main
 from ncd.limits import time_budget
 
-REAL_FAMILIES = ncd.backend._families
+REAL_FAMILIES = ncd.families.REGISTRY
 
 SPECS = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.ncd"))
 SEED = int(os.environ.get("NCD_FUZZ_SEED", "20240611"))  # another seed draws other mutants
@@ -248,7 +249,7 @@ HOSTILE_NAMES = [
 @pytest.fixture
 def front_end_only_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make `ncd check` stop after the front end (no kernel family matches), as for non-attention specs."""
-    monkeypatch.setattr(ncd.backend, "_families", lambda: [])
+    monkeypatch.setattr(ncd.families, "REGISTRY", ())
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -335,7 +336,7 @@ def test_mutants_never_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fr
             try:
                 with pytest.MonkeyPatch.context() as patch:
                     if back_end:
-                        patch.setattr(ncd.backend, "_families", REAL_FAMILIES)
+                        patch.setattr(ncd.families, "REGISTRY", REAL_FAMILIES)
                     code, out, err = _cli(argv, capsys)
             except Hang:
                 code, out, err = -1, "", "hang"
@@ -347,7 +348,7 @@ def test_mutants_never_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fr
             if back_end and code == 0 and name != spec.name and loads < LOADS:
                 loads += 1  # import the generated module of a hostile-named spec: its name must not run
                 with pytest.MonkeyPatch.context() as patch:
-                    patch.setattr(ncd.backend, "_families", REAL_FAMILIES)
+                    patch.setattr(ncd.families, "REGISTRY", REAL_FAMILIES)
                     ncd.load(tmp_path / name, cache_dir=cache)
         (tmp_path / name).unlink()
         n += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -337,3 +338,28 @@ def test_polykan_layer_bases():
         assert rel(layer(x.float()), ref) < TOL
     with pytest.raises(ValueError):
         PolyKANLayer(6, 4, 5, basis="bessel")
+
+
+def test_ops_share_static_kernels_keyed_by_their_hooks():
+    """Chebyshev and Hermite at the same degree and mode differ only in their hooks (the spec's device functions):
+    interleaved in one process, each must get its own compiled kernels from the one static kernel set. The
+    generated modules never import the planner; their config is the plan's, as a literal."""
+    cheb = _poisoned(ncd.polykan.basis_op("chebyshev", 3, "recurrence"))
+    herm = _poisoned(ncd.polykan.basis_op("hermite", 3, "recurrence"))
+    assert cheb.module._RUNTIME is not herm.module._RUNTIME and cheb.module.DEGREES == herm.module.DEGREES
+    assert cheb.module._RUNTIME.hooks.next is not herm.module._RUNTIME.hooks.next
+    for op in (cheb, herm):
+        text = op.path.read_text()
+        assert "ncd.polykan" not in text.replace("ncd.kernels.polykan", "") and "import ncd.rational" not in text
+        assert find_plan(op.front).config == op.module.CONFIG and op.module.CONFIG.basis_eval == "recurrence"
+    for basis in ("chebyshev", "hermite", "chebyshev"):
+        _check_layer(basis, 3, "recurrence", sizes=(19, 21, 17))
+
+
+def test_lut_table_travels_bit_exact():
+    """The generated module carries the plan's table compressed (xz, base85): it decodes to the same fp32 bits."""
+    op = ncd.polykan.basis_op("hermite", 3, "lut")
+    table = find_plan(op.front).table
+    expected = torch.from_numpy(np.stack([table.values, table.derivs]).astype("<f4"))
+    assert torch.equal(op.module._TABLE_HOST, expected.view(op.module._TABLE_HOST.shape))
+    assert op.module.CONFIG.lut_entries == table.entries and table.entries == op.module.ENTRIES

@@ -21,7 +21,9 @@ import ncd
 import ncd.reference
 from ncd.backend import find_plan
 from ncd.errors import CallError, NcdError
+from ncd.family import Decline
 from ncd.kan import PRESETS, GroupRational, KATGroup, compile_activation, spec_text
+from ncd.launch import _key_of
 from ncd.pipeline import front_end
 from ncd.rational import plan_rational
 from ncd.validate import validate
@@ -255,7 +257,11 @@ def test_plan_shows_accumulation_and_atomics(run_cli):
     assert code == 0, err
     tree = ast.parse(out)
     assert any(isinstance(n, ast.FunctionDef) and n.name == "group_rational" for n in tree.body)
-    assert "# group_rational.ncd:17, group_rational.ncd:18, group_rational.ncd:19" in out and "tl.atomic_add" in out
+    assert "# group_rational.ncd:17, group_rational.ncd:18, group_rational.ncd:19" in out
+    # the kernels are ncd/kernels/rational.py's; the module holds the spec's device functions and its config
+    hooks = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert {"fwd_constants", "fwd_element", "bwd_element", "bwd_total"} <= hooks and "tl.atomic_add" not in out
+    assert "CONFIG = RationalConfig(" in out and "from ncd.rational" not in out
 
 
 def test_recognition_and_located_errors():
@@ -264,14 +270,16 @@ def test_recognition_and_located_errors():
     plan = plan_rational(front_end(base + "out y[row chan] = x / (1 + abs(B[group, 0] * x))\n"), {})
     assert plan is not None and [c.label for c in plan.coefficients] == ["B[group, 0]", "B[group, 1]"]
     assert plan.derivation.bwd_dcoef[1] is None  # B[group, 1] is unused: no accumulator
-    # a reduction is not element-wise: not this family (nor any other)
-    assert find_plan(front_end(base + "out y[row] = sum(x * B[group, 0], over chan)\n")) is None
+    # a reduction is not element-wise: not this family (the generic family may claim it)
+    reduction = front_end(base + "out y[row] = sum(x * B[group, 0], over chan)\n")
+    assert isinstance(plan_rational(reduction, {}), Decline)
+    assert find_plan(reduction).family != "rational"
     # recognised, but where() is not supported: a located error
     with pytest.raises(NcdError) as err:
         plan_rational(front_end(base + "out y[row chan] = where(x > 0, x, B[group, 1] * x)\n", "w.ncd"), {})
     assert err.value.code == "unsupported" and err.value.span.line == 5
     # the attention specs stay with the attention family
-    assert plan_rational(ncd.load_spec(ROOT / "specs" / "softmax_attention.ncd"), {}) is None
+    assert isinstance(plan_rational(ncd.load_spec(ROOT / "specs" / "softmax_attention.ncd"), {}), Decline)
 
 
 def test_spec_text_matches_shipped_structure():
@@ -280,3 +288,28 @@ def test_spec_text_matches_shipped_structure():
     plan = plan_rational(front, {})
     assert plan is not None and plan.k_group == 10 and plan.k_shared == 0
     assert compile_activation(text).front.program.name == "group_rational_paper_m5_n4_g8"
+
+
+def test_two_ops_share_the_static_kernels_not_their_tuning(op_cache):
+    """Two ops with different coefficient counts in one process: each binds ncd/kernels/rational.py's kernels to
+    its own hooks and autotuners, and interleaved calls stay exact; the plan's config is the module's literal."""
+    small = GroupRational(4, 3, 2, form="kat", cache_dir=op_cache)
+    large = GroupRational(4, 5, 4, form="paper", shared_numerator=False, cache_dir=op_cache)
+    mods = [m.op.module for m in (small, large)]
+    assert [m.K for m in mods] == [6, 10] and mods[0]._KERNELS.fwd is not mods[1]._KERNELS.fwd
+    assert mods[0]._KERNELS.bwd is not mods[1]._KERNELS.bwd
+    assert mods[0]._KERNELS.fwd.fn is mods[1]._KERNELS.fwd.fn  # one static kernel
+    # the parameters travel as a tuple: the direct launcher keys it member by member (GPU fast path)
+    params = (torch.zeros(4), torch.zeros(2, 3, dtype=torch.float16))
+    assert _key_of(params) == (tuple, (_key_of(params[0]), _key_of(params[1])))
+    assert _key_of((params[0], object())) is NotImplemented
+    for module in (small, large):
+        plan = find_plan(module.op.front)
+        assert plan.config == module.op.module.CONFIG and plan.config.describe()[0].startswith("config: K = ")
+    for _ in range(2):
+        for module, shared, (m, n) in ((small, True, (3, 2)), (large, False, (5, 4))):
+            poisoned(module.op)
+            x = torch.randn(29, 36)
+            a = torch.randn(m + 1) if shared else torch.randn(4, m + 1)
+            check_against_reference(module, x, a, torch.randn(4, n), "kat" if shared else "paper",
+                                    accumulate="deterministic" if module is large else None)

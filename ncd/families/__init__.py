@@ -1,0 +1,24 @@
+"""The kernel-family registry: families are asked in this order; the first whose planner returns a plan compiles
+the spec, and the generic family, last, takes every spec the others decline. Adding a family is one folder (its
+planner, renderer and validation forms; see docs/architecture.md) and one line here."""
+
+from __future__ import annotations
+
+from ..family import Family
+
+REGISTRY: tuple[Family, ...] = (
+    Family("attention", "normalized-contraction attention: O = normalize(a(S), over key) . V with S = Q . K",
+           "ncd.attention:plan_attention", "ncd.validation_forms:AttentionForms"),
+    Family("rational", "group-wise rational activations of one input (KAT / FlashKAT)",
+           "ncd.rational:plan_rational", "ncd.validation_forms:RationalForms"),
+    Family("polykan", "polynomial KAN layers: a basis recurrence of one input contracted with coefficients",
+           "ncd.polykan:plan_polykan", "ncd.validation_forms:PolyKANForms"),
+    Family("recurrence", "gated outer-product recurrences read through a ridge solve (Gated KalmaNet)",
+           "ncd.recurrence:plan_recurrence", "ncd.validation_forms:RecurrenceForms"),
+    Family("generic", "any other spec: a PyTorch function of its IR that torch.compile lowers to Triton",
+           "ncd.families.generic:plan_generic", "ncd.validation_forms:GenericForms"),
+)
+
+
+def family(name: str) -> Family:
+    return next(f for f in REGISTRY if f.name == name)
