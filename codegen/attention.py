@@ -8,8 +8,6 @@ from sympy, plus flags), and :func:`render_attention_module` writes, with `# spe
 - the plan's :class:`AttentionConfig` as a literal (tiles, precisions, accumulation, modes, factorized form);
 - the run-time switches tests flip, and one ``AttentionKernels`` (the launchers) built from the above, whose
   methods are the module's ``forward`` / ``backward`` API.
-
-``_environment`` (the Jinja environment of the templates that remain) is shared with the other families' codegen.
 """
 
 from __future__ import annotations
@@ -18,8 +16,6 @@ import ast
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import jinja2
 
 from ncd.factorize import Factorization
 from ncd.kernels.attention_config import AttentionConfig
@@ -102,25 +98,6 @@ class AttentionKernelSpec:
 # ---------------------------------------------------------------------------------------------
 # Rendering
 # ---------------------------------------------------------------------------------------------
-
-
-def _templates_loader() -> jinja2.BaseLoader:
-    """Templates load as package resources (`ncd.templates`), the same from a checkout, an editable install or
-    a wheel."""
-    from importlib.resources import files
-
-    return jinja2.FunctionLoader(lambda name: files("ncd.templates").joinpath(name).read_text("utf-8"))
-
-
-def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=_templates_loader(),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        autoescape=False,
-    )
 
 
 def _origins(spec: AttentionKernelSpec) -> tuple[dict[str, list[str]], Callable[[str], str]]:

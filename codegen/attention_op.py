@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import ast
 
-import sympy
-
 from ncd import ir
 from ncd.attention import AttentionRoles, KernelMaps
 from ncd.factorize import Factorization
 from ncd.kernels.attention_config import AttentionConfig
 from ncd.source import origin_name
 from ncd.streaming import Certificate
-from ncd.symbolic import to_sympy
 
-from .attention import AttentionKernelSpec, _environment, render_attention_module
+from .attention import AttentionKernelSpec, render_attention_module
+from .shared import default_code, environment
 
 
 def kernel_spec(name: str, cert: Certificate, roles: AttentionRoles, maps: KernelMaps,
@@ -43,18 +41,6 @@ def kernel_spec(name: str, cert: Certificate, roles: AttentionRoles, maps: Kerne
     )
 
 
-def _default_code(program: ir.Program, tensor: ir.Tensor) -> str:
-    assert tensor.default is not None
-    expr = to_sympy(tensor.default, {a.name: a for a in program.axes})
-    if not expr.free_symbols:
-        return repr(float(expr))
-    names = {s: sympy.Symbol(f"sizes_{s.name}") for s in expr.free_symbols}
-    code = sympy.pycode(expr.subs(names), fully_qualified_modules=True)
-    for s in expr.free_symbols:
-        code = code.replace(f"sizes_{s.name}", f'_sizes["{s.name}"]')
-    return f"float({code})"
-
-
 def _scale_grad_inputs(roles: AttentionRoles) -> list[str]:
     """The scalar inputs whose gradient the op routes through q: those the scale reads, where the scale is
     arithmetic that tensors follow (a `math.` function would turn a tensor into a float and drop its gradient; such
@@ -76,7 +62,7 @@ def render_attention_op(program: ir.Program, cert: Certificate, roles: Attention
         if t.axes:
             tensor_inputs.append({"name": t.name, "axes": repr(t.axes), "origin": t.span.origin})
         if t.default is not None:
-            scalar_inputs.append({"name": t.name, "default": _default_code(program, t), "origin": t.span.origin})
+            scalar_inputs.append({"name": t.name, "default": default_code(program, t), "origin": t.span.origin})
             params.append(f"{t.name}=None")
         else:
             params.append(t.name)
@@ -96,7 +82,7 @@ def render_attention_op(program: ir.Program, cert: Certificate, roles: Attention
         weight_layout = repr(batch) if w_axes == (key,) else repr(tuple(w_axes.index(a) for a in (batch, key)))
     axes_table = {a.name: (a.fixed, a.factors) for a in program.axes}
     scale_expr = roles.scale if isinstance(roles.scale, str) else repr(roles.scale)
-    wrapper = _environment().get_template("attention_op.py.jinja").render(
+    wrapper = environment().get_template("attention_op.py.jinja").render(
         spec_name=program.name, origin_file=origin_name(program.source.filename), op_id=op_id,
         params=params, signature=", ".join(params), axes_table=repr(axes_table), tensor_inputs=tensor_inputs,
         scalar_inputs=scalar_inputs, scalar_names=[t.name for t in inputs if not t.axes], roles=roles,

@@ -16,9 +16,7 @@ from ncd.recurrence import BETA, RIDGE, RecurrencePlan
 from ncd.source import origin_name
 from ncd.symbolic import triton_expr
 
-from .attention import _environment
-from .attention_op import _default_code
-from .rational import RationalCodegenError
+from .shared import CodegenError, default_code, environment
 
 
 def _device_expr(expr: sympy.Expr) -> str:
@@ -27,13 +25,13 @@ def _device_expr(expr: sympy.Expr) -> str:
     tree = ast.parse(text, mode="eval")
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     if not names <= {"bt", "tl"}:
-        raise RationalCodegenError(f"unexpected names {names - {'bt', 'tl'}} in {text!r}")
+        raise CodegenError(f"unexpected names {names - {'bt', 'tl'}} in {text!r}")
     return text if "bt" in names else f"tl.full(bt.shape, {text}, tl.float32)"
 
 
 def render_gka_module(program: ir.Program, plan: RecurrencePlan, op_id: str) -> str:
     r = plan.roles
-    env = _environment()
+    env = environment()
     ks, vs = plan.key_scale, plan.value_scale
     rho_python = sympy.pycode(plan.rho.subs(RIDGE, sympy.Symbol("a")))
     config = plan.config
@@ -53,7 +51,7 @@ def render_gka_module(program: ir.Program, plan: RecurrencePlan, op_id: str) -> 
     call_args = ", ".join(f"{by_role[t.name]}={t.name}" for t in inputs)
     scale_input = program.tensor(r.scale) if r.scale else None
     scale_default = "1.0" if scale_input is None else (
-        _default_code(program, scale_input) if scale_input.default is not None else "None")
+        default_code(program, scale_input) if scale_input.default is not None else "None")
     axes = {role: tuple(program.tensor(name).axes) for role, name in
             (("q", r.q), ("k", r.k), ("v", r.v), ("g", r.g), ("o", r.output))}
     axes["beta"] = tuple(program.tensor(r.beta).axes) if r.beta else (r.batch, r.time, r.head)

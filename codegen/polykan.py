@@ -21,8 +21,8 @@ from ncd.polykan import MATMUL
 from ncd.source import origin_name
 from ncd.symbolic import triton_expr
 
-from .attention import _environment
 from .pytext import fit
+from .shared import environment
 
 if TYPE_CHECKING:
     from ncd.kernels.polykan import PolyKANConfig
@@ -171,7 +171,7 @@ def render_polykan_op(program: ir.Program, plan: PolyKANPlan, op_id: str) -> str
         out_perm_tuple=repr(tuple((r.batch, r.outp).index(a) for a in out_axes)),
         axes_table=repr({a.name: (a.fixed, a.factors) for a in program.axes}),
     )
-    env = _environment()
+    env = environment()
     text = env.get_template("polykan.py.jinja").render(**ctx)
     text += env.get_template("polykan_op.py.jinja").render(**{**ctx, "c_axes": repr(c_axes)})
     ast.parse(text)

@@ -14,27 +14,23 @@ from ncd.kernels.rational import RationalConfig
 from ncd.rational import RationalPlan
 from ncd.source import origin_name
 
-from .attention import _environment
 from .pytext import comment_lines as _comment
 from .pytext import fit as _fit
 from .pytext import wrap as _wrap
+from .shared import CodegenError, environment
 
 _ALLOWED = re.compile(r"^(x|dy|tl|_rcp|c\d+|t\d+|r\d+)$")
 
 
-class RationalCodegenError(ValueError):
-    """A derived expression that cannot be spliced (a compiler bug, never a user mistake)."""
-
-
 def _check(text: str) -> str:
     if "\n" in text or "\r" in text:
-        raise RationalCodegenError(f"expression must be one line: {text!r}")
+        raise CodegenError(f"expression must be one line: {text!r}")
     tree = ast.parse(text, mode="eval")
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and not _ALLOWED.match(node.id):
-            raise RationalCodegenError(f"unexpected name {node.id!r} in {text!r}")
+            raise CodegenError(f"unexpected name {node.id!r} in {text!r}")
         if isinstance(node, ast.Lambda | ast.NamedExpr | ast.Await | ast.Yield | ast.YieldFrom):
-            raise RationalCodegenError(f"unsupported construct in {text!r}")
+            raise CodegenError(f"unsupported construct in {text!r}")
     return text
 
 
@@ -42,7 +38,7 @@ def _statements(pairs: tuple[tuple[str, str], ...]) -> list[dict[str, str]]:
     out = []
     for name, text in pairs:
         if not _ALLOWED.match(name):
-            raise RationalCodegenError(f"bad temporary name {name!r}")
+            raise CodegenError(f"bad temporary name {name!r}")
         out.append({"name": name, "expr": _check(text)})
     return out
 
@@ -179,7 +175,7 @@ def render_rational_op(program: ir.Program, plan: RationalPlan, op_id: str) -> s
     names = {t.name for t in program.tensors}
     ctx["kw"] = "accumulate" if "accumulate" not in names else "ncd_accumulate"
     del params
-    env = _environment()
+    env = environment()
     text = env.get_template("rational.py.jinja").render(**ctx) + env.get_template("rational_op.py.jinja").render(**ctx)
     ast.parse(text)
     return text
