@@ -3,7 +3,7 @@
 Shapes (issue 6): bf16, B = 4, T in {2048, 4096, 8192}, H = 8, D = 128, r in {10, 30} Chebyshev steps.
 Side by side: ncd's generated op (forward, forward+backward; default scaled-fp16 products, and TF32 and the
 official kernels' bf16 products as forward variants), the chunked PyTorch reference
-(ncd.gka_reference.chunked_gka, autograd backward), the naive per-timestep recurrence with autograd (T = 2048
+(ncd.recurrence_reference.chunked_gka, autograd backward), the naive per-timestep recurrence with autograd (T = 2048
 only: one timed run each, seconds), and fla's
 chunk_gated_delta_rule / chunk_simple_gla forward (fla-core 0.6.0 wheel) at the same shapes.
 
@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import ncd
-from ncd.gka_reference import chunked_gka, naive_gka
 from ncd.ops import shipped_spec
+from ncd.recurrence_reference import chunked_gka, naive_gka
 
 B, H, D = 4, 8, 128
 RESULTS: dict[str, object] = {}

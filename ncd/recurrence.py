@@ -120,9 +120,9 @@ class RecurrencePlan:
         ]
 
     def render(self, program: ir.Program, op_id: str) -> str:
-        from .codegen.gka import render_gka_module
+        from .codegen.recurrence import render_recurrence_module
 
-        return render_gka_module(program, self, op_id)
+        return render_recurrence_module(program, self, op_id)
 
     def validation_sizes(self, program: ir.Program) -> dict[str, int]:
         r = self.roles

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 import ncd
 from ncd.errors import CallError
-from ncd.gka_reference import chunked_gka, naive_gka
 from ncd.kernels import recurrence as kernels
 from ncd.ops import chunk_gka, shipped_spec
+from ncd.recurrence_reference import chunked_gka, naive_gka
 
 from .conftest import ROOT, raise_float_errors
 
@@ -247,7 +247,7 @@ def test_saved_norms_match_the_frobenius_norm_of_the_naive_states(gka_module, mo
     """||H_t||_F as the forward saves it: the Gram term in the norm kernel, each chunk's initial-state terms from
     the H scan (an initial state, so they matter from the first chunk). Default precision: the Gram term from
     scaled fp16 operands."""
-    from ncd.gka_reference import _scaled
+    from ncd.recurrence_reference import _scaled
 
     configure(monkeypatch, gka_module, dot_precision=precision)
     q, k, v, g, b, a = draw(B=1, H=2, T=45)

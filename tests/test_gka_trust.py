@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 import ncd
 from ncd.errors import CallError, NcdError
-from ncd.gka_reference import naive_gka
 from ncd.kernels import recurrence as kernels
 from ncd.ops import chunk_gka, shipped_spec
+from ncd.recurrence_reference import naive_gka
 from ncd.reference import evaluate
 
 from .conftest import ROOT
@@ -318,7 +318,7 @@ def test_packed_sequences_are_poisoned_from_the_bad_token_to_their_own_end(gka):
     """With cu_seqlens, a state-breaking token poisons the rest of its own sequence only (and its final state)."""
     bad = torch.zeros(1, 12, 2, dtype=torch.bool)
     bad[0, 2, 0] = bad[0, 9, 1] = True
-    from ncd.op_runtime.gka import poisoned_from
+    from ncd.op_runtime.recurrence import poisoned_from
 
     after, per_sequence = poisoned_from(bad, [0, 4, 4, 7, 12], True)
     want = torch.zeros_like(bad)

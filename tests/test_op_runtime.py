@@ -169,10 +169,10 @@ def test_the_runtime_loads_no_planner_module():
     import subprocess
     import sys
 
-    code = ("import sys; import ncd.op_runtime.attention, ncd.op_runtime.gka, ncd.op_runtime.polykan, "
+    code = ("import sys; import ncd.op_runtime.attention, ncd.op_runtime.recurrence, ncd.op_runtime.polykan, "
             "ncd.op_runtime.rational; print(' '.join(sorted(m for m in sys.modules if m.startswith('ncd'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert "ncd.op_runtime.gka" in loaded
+    assert "ncd.op_runtime.recurrence" in loaded
     assert not [m for m in loaded if m in PLANNER], loaded
 
 
@@ -183,7 +183,7 @@ def test_op_templates_import_only_the_runtime():
 
     allowed = re.compile(r"(import|from) (ncd\.op_runtime(\.\w+)?|ncd\.runtime|ncd\.errors|ncd\.kernels(\.\w+)?"
                          r"|math)\b")
-    for family in ("attention", "gka", "polykan", "rational"):
+    for family in ("attention", "recurrence", "polykan", "rational"):
         text = resources.files("ncd.templates").joinpath(f"{family}_op.py.jinja").read_text()
         imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
         assert imports, family

@@ -1,6 +1,6 @@
 """Chunked gated outer-product recurrences with a per-token ridge solve (Gated KalmaNet): forward and backward
 kernels of the recurrence family, the same for every spec. What a spec decides comes in two objects that its
-generated module builds (codegen/gka.py):
+generated module builds (codegen/recurrence.py):
 
 - `RecurrenceHooks`: its per-token key and value scalings of beta and their derivatives, `@triton.jit` device
   functions that the kernels take as `tl.constexpr` arguments (KEY_SCALE, VALUE_SCALE, KEY_SCALE_GRAD,

@@ -1,5 +1,5 @@
 """Code generation for the recurrence family (Gated KalmaNet): the spec's hooks and config for the static kernels
-of ncd/kernels/recurrence.py (templates/gka.py.jinja), then the PyTorch op (templates/gka_op.py.jinja).
+of ncd/kernels/recurrence.py (templates/recurrence.py.jinja), then the PyTorch op (templates/recurrence_op.py.jinja).
 Spec-derived pieces are the per-token scalings and their derivatives (sympy, printed as Triton device functions),
 the contraction rate, the plan's config (ridge, iteration count, output factor, precisions, tiles) and the scale
 default."""
@@ -29,13 +29,13 @@ def _device_expr(expr: sympy.Expr) -> str:
     return text if "bt" in names else f"tl.full(bt.shape, {text}, tl.float32)"
 
 
-def render_gka_module(program: ir.Program, plan: RecurrencePlan, op_id: str) -> str:
+def render_recurrence_module(program: ir.Program, plan: RecurrencePlan, op_id: str) -> str:
     r = plan.roles
     env = environment()
     ks, vs = plan.key_scale, plan.value_scale
     rho_python = sympy.pycode(plan.rho.subs(RIDGE, sympy.Symbol("a")))
     config = plan.config
-    kernels = env.get_template("gka.py.jinja").render(
+    kernels = env.get_template("recurrence.py.jinja").render(
         spec_name=program.name, origin_file=origin_name(program.source.filename), roles=r,
         origins=plan.origins, config_repr={f.name: repr(getattr(config, f.name)) for f in fields(config)},
         key_scale=_device_expr(ks), key_scale_grad=_device_expr(sympy.diff(ks, BETA)),
@@ -56,7 +56,7 @@ def render_gka_module(program: ir.Program, plan: RecurrencePlan, op_id: str) -> 
             (("q", r.q), ("k", r.k), ("v", r.v), ("g", r.g), ("o", r.output))}
     axes["beta"] = tuple(program.tensor(r.beta).axes) if r.beta else (r.batch, r.time, r.head)
     axes["alpha"] = tuple(program.tensor(r.alpha).axes) if r.alpha else (r.batch, r.time, r.head)
-    op = env.get_template("gka_op.py.jinja").render(
+    op = env.get_template("recurrence_op.py.jinja").render(
         spec_name=program.name, op_id=op_id, origin_file=origin_name(program.source.filename), roles=_Roles(r),
         origins=plan.origins, params=params, call_args=call_args, scale_default=scale_default, required=required,
         present=present,
