@@ -34,6 +34,12 @@ def _descriptor_type() -> type | None:
     return TensorDescriptor
 
 
+def _jit_function_type() -> type:
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction
+
+
 def _runtime_knobs() -> Any:
     import triton
 
@@ -48,6 +54,7 @@ def _driver() -> Any:
 
 _DESCRIPTOR: Any = _descriptor_type()
 _RUNTIME = _runtime_knobs()
+_JIT_FUNCTION: Any = _jit_function_type()
 _DRIVER = _driver()
 _COMPILED_ATTRS = ("run", "function", "packed_metadata", "launch_metadata")
 MAX_ENTRIES = 1024  # specialisations one FastKernel remembers
@@ -101,6 +108,14 @@ def _key_of(arg: Any) -> Any:
     return NotImplemented
 
 
+def _kwargs_key(kwargs: dict) -> tuple:
+    """The constexprs and options as a key. A @triton.jit function (a spec's hook) is keyed by identity: its own
+    hash is a hash of its source key, about 0.5 us each, and hooks made 14 of them a launch (bench/log/
+    2026-11-26-issue31.md). An identity cannot be reused while the entry lives: the entry's `meta` holds the
+    function."""
+    return tuple([(k, id(v)) if type(v) is _JIT_FUNCTION else (k, v) for k, v in kwargs.items()])
+
+
 def _run(compiled: Any, grid: tuple, stream: int, args: tuple) -> None:
     """Launch `compiled` as Triton's JIT does: grid, stream, function, metadata, launch hooks, every parameter."""
     runtime = _RUNTIME
@@ -145,7 +160,7 @@ class FastKernel:
             return self.kernel[grid](*args, **kwargs)
         device = _current_device()
         arg_keys = tuple(map(_key_of, args))
-        key = (device, arg_keys, tuple(kwargs.items())) if NotImplemented not in arg_keys else None
+        key = (device, arg_keys, _kwargs_key(kwargs)) if NotImplemented not in arg_keys else None
         hit = self.cache.get(key) if key is not None else None
         if hit is None:
             compiled = self.kernel[grid](*args, **kwargs)

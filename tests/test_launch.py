@@ -180,3 +180,33 @@ def test_plain_jit_kernel_launches_directly_with_its_constexprs_and_keyed_option
         fast[(5,)]("A", "B", C2="x", C1=1, num_warps=warps)
     assert [c[0] for c in kernel.calls] == ["triton", "direct", "triton"]
     assert kernel.calls[1][-4:] == ("A", "B", 1, "x")  # every parameter, in signature order, no options
+
+
+def _hook_a(x):
+    return x
+
+
+def _hook_b(x):
+    return x + 1
+
+
+def _hook_c(x):
+    return x * 2
+
+
+def test_hooks_are_keyed_by_identity_not_by_their_source_hash(monkeypatch):
+    """A @triton.jit hook's own hash hashes its source key (about 0.5 us); a launch passes up to 14 of them."""
+    from triton.runtime.jit import JITFunction
+
+    from ncd.launch import _kwargs_key
+
+    hooks = [JITFunction(f) for f in (_hook_a, _hook_b, _hook_c)]  # compiled-mode objects (the suite interprets)
+
+    def refuse(self):
+        raise AssertionError("a hook was hashed by its source key")
+
+    monkeypatch.setattr(JITFunction, "__hash__", refuse)
+    key = _kwargs_key({"A1": hooks[0], "A2": hooks[1], "B": hooks[2], "CAUSAL": True, "num_warps": 4})
+    assert hash(key) == hash(_kwargs_key({"A1": hooks[0], "A2": hooks[1], "B": hooks[2], "CAUSAL": True,
+                                          "num_warps": 4}))
+    assert key != _kwargs_key({"A1": hooks[1], "A2": hooks[1], "B": hooks[2], "CAUSAL": True, "num_warps": 4})
