@@ -17,7 +17,7 @@ Run on a CUDA machine, with ncd importable (installed, or the repository root on
 3. ``--breakdown N,...``: per-kernel CUDA times (torch.profiler) of one spherical fwd+bwd per form.
 4. ``--tiles "softmax:1:1024:fwd;spherical:1:1024:bwd+fused"``: forced-tile sweep of the streamed kernels
    (forward with and without TMA, the dK/dV and dQ kernels, the atomic-dQ fused kernel), then the
-   correctness check, then exit. The autotune sets in ncd/kernels/attention_config.py come from it.
+   correctness check, then exit. The autotune sets in ncd/families/attention/config.py come from it.
 
 5. ``--dim 80``: every shape at another head dim (the specs' ``axis dim = 128`` replaced; SDPA at the same dim).
 
@@ -47,6 +47,7 @@ except ImportError:  # not installed: use the checkout this script lives in
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import ncd
 import ncd.launch
+from ncd.settings import poisoned
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "specs"
 HEADS, DIM, TOKENS = 16, 128, 32768
@@ -59,11 +60,11 @@ SPECS = {
     ("softmax", False): "softmax_attention.ncd",
     ("softmax", True): "causal_softmax_attention.ncd",
 }
-# Backward variants of the generated module, as the module flags they set: one fused kernel with fp32 atomic dQ;
-# dK/dV and dQ kernels, the dQ kernel recomputing S and dP; dK/dV storing dS and dQ = dS K from it.
-BWD_VARIANTS = {"atomic": {"DETERMINISTIC_BWD": False},
-                "recompute": {"DETERMINISTIC_BWD": True, "DS_BUFFER_BYTES": 0},
-                "stored-ds": {"DETERMINISTIC_BWD": True, "DS_BUFFER_BYTES": 1 << 40}}
+# Backward variants of the op, as the fields of its config they set (`Op.with_config`): one fused kernel with fp32
+# atomic dQ; dK/dV and dQ kernels, the dQ kernel recomputing S and dP; dK/dV storing dS and dQ = dS K from it.
+BWD_VARIANTS = {"atomic": {"deterministic_bwd": False},
+                "recompute": {"deterministic_bwd": True, "ds_buffer_bytes": 0},
+                "stored-ds": {"deterministic_bwd": True, "ds_buffer_bytes": 1 << 40}}
 
 
 def load_spec(name: str):
@@ -78,17 +79,16 @@ def load_spec(name: str):
     return ncd.load(path)
 
 
-def _two_forms(module) -> bool:
-    """The module has a factorized form, and it runs at head dim DIM (tiles up to FACT_MAX_HEAD_DIM)."""
-    return hasattr(module, "FACTORIZE") and module.head_tile(DIM) <= module.FACT_MAX_HEAD_DIM
+def _two_forms(op) -> bool:
+    """The op has a factorized form, and it runs at head dim DIM (tiles up to the config's fact_max_head_dim)."""
+    return op.config.factorized and op.module.head_tile(DIM) <= op.config.fact_max_head_dim
 
 
-def _set_flags(module, flags: dict) -> dict:
-    """Sets the module flags; returns their old values."""
-    old = {name: getattr(module, name) for name in flags}
-    for name, value in flags.items():
-        setattr(module, name, value)
-    return old
+def _in_form(op, form: str | None, **fields):
+    """The op compiled to take one form (factorize = "never": streamed, "always": factorized) at every call, with
+    other fields of its config replaced too; `op` itself where nothing changes."""
+    fields = {**fields, **({"factorize": form} if form is not None and op.config.factorized else {})}
+    return op.with_config(**fields) if fields else op
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -129,17 +129,13 @@ def spec_scale(family: str) -> float:
 def check(ops, log, n: int = 1000, variants: bool = True) -> bool:
     ok = True
     batch, heads = 2, 4
-    for (family, causal), op in ops.items():
-        has_variants = hasattr(op.module, "DETERMINISTIC_BWD") and variants
-        bwd = dict(BWD_VARIANTS) if has_variants else {"default": {}}
-        forms = {"factorized": "always", "streamed": "never"} if _two_forms(op.module) else {"": None}
+    for (family, causal), base in ops.items():
+        bwd = dict(BWD_VARIANTS) if variants else {"default": {}}
+        forms = {"factorized": "always", "streamed": "never"} if _two_forms(base) else {"": None}
         cases = [(f"{v}{'+' + f if f else ''}", flag, form)
                  for v, flag in bwd.items() for f, form in forms.items()]
         for vname, flags, form in cases:
-            old_flags = _set_flags(op.module, flags)
-            if form is not None:
-                op.module.FACTORIZE = form
-            op.module.POISON_OUTPUTS = True
+            op = _in_form(base, form, **flags)
             gen = torch.Generator(device="cuda").manual_seed(hash((family, causal, vname)) % 2**31)
             q, k, v = (torch.randn(batch, heads, n, DIM, device="cuda", dtype=DTYPE, generator=gen)
                        for _ in range(3))
@@ -149,9 +145,10 @@ def check(ops, log, n: int = 1000, variants: bool = True) -> bool:
             ref = reference(family, q32, k32, v32, scale, causal)
             ref.backward(grad.float())
             q, k, v = (t.requires_grad_() for t in (q, k, v))
-            o = op(q, k, v)
-            o.backward(grad)
-            torch.cuda.synchronize()
+            with poisoned():  # every output buffer starts as NaN: anything left unwritten shows
+                o = op(q, k, v)
+                o.backward(grad)
+                torch.cuda.synchronize()
             errs = {"o": rel_err(o, ref), "dq": rel_err(q.grad, q32.grad), "dk": rel_err(k.grad, k32.grad),
                     "dv": rel_err(v.grad, v32.grad)}
             finite = all(bool(torch.isfinite(t).all()) for t in (o, q.grad, k.grad, v.grad))
@@ -159,10 +156,6 @@ def check(ops, log, n: int = 1000, variants: bool = True) -> bool:
             ok &= good
             log(f"check {family:9s} causal={causal!s:5s} bwd={vname:20s} finite={finite} "
                 + " ".join(f"{key}={val:.2e}" for key, val in errs.items()) + ("  OK" if good else "  FAIL"))
-            op.module.POISON_OUTPUTS = False
-            _set_flags(op.module, old_flags)
-        if hasattr(op.module, "FACTORIZE"):
-            op.module.FACTORIZE = "auto"
     return ok
 
 
@@ -190,15 +183,6 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool, impls=
             fn(q, k, v).backward(grad)
         return run
 
-    def with_flags(module, flags, run):
-        def wrapped():
-            old = _set_flags(module, flags)
-            try:
-                run()
-            finally:
-                _set_flags(module, old)
-        return wrapped
-
     def sdpa(q_, k_, v_):
         return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal)
 
@@ -208,17 +192,6 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool, impls=
     def comp(q_, k_, v_):
         return compiled(q_, k_, v_, causal)
 
-    def form(module, mode, run):
-        """One form (FACTORIZE = "never": streamed, "always": factorized) whatever the cost model picks."""
-        def wrapped():
-            old = module.FACTORIZE
-            module.FACTORIZE = mode
-            try:
-                run()
-            finally:
-                module.FACTORIZE = old
-        return wrapped
-
     cases = [
         ("sdpa", "fwd", fwd(sdpa)), ("sdpa", "fwdbwd", fwdbwd(sdpa)),
         ("spherical", "fwd", fwd(sph)), ("spherical", "fwdbwd", fwdbwd(sph)),
@@ -226,18 +199,18 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool, impls=
         ("eager_spherical", "fwd", fwd(eager)), ("eager_spherical", "fwdbwd", fwdbwd(eager)),
         ("compiled_spherical", "fwd", fwd(comp)), ("compiled_spherical", "fwdbwd", fwdbwd(comp)),
     ]
-    if _two_forms(sph.module):
-        cases += [("spherical_streamed", "fwd", form(sph.module, "never", fwd(sph))),
-                  ("spherical_streamed", "fwdbwd", form(sph.module, "never", fwdbwd(sph))),
-                  ("spherical_factorized", "fwd", form(sph.module, "always", fwd(sph))),
-                  ("spherical_factorized", "fwdbwd", form(sph.module, "always", fwdbwd(sph)))]
+    if _two_forms(sph):  # one form whatever the cost model picks
+        streamed, factorized = _in_form(sph, "never"), _in_form(sph, "always")
+        cases += [("spherical_streamed", "fwd", fwd(streamed)), ("spherical_streamed", "fwdbwd", fwdbwd(streamed)),
+                  ("spherical_factorized", "fwd", fwd(factorized)),
+                  ("spherical_factorized", "fwdbwd", fwdbwd(factorized))]
     if impls:
         cases = [c for c in cases if c[0] in impls]
     if variants:
         for name, op in (("spherical", sph), ("softmax", smx)):
-            if op is not None and hasattr(op.module, "DETERMINISTIC_BWD"):
+            if op is not None:
                 for vname, flags in BWD_VARIANTS.items():
-                    cases.append((f"{name}[{vname}]", "fwdbwd", with_flags(op.module, flags, fwdbwd(op))))
+                    cases.append((f"{name}[{vname}]", "fwdbwd", fwdbwd(op.with_config(**flags))))
     rows = []
     for name, mode, run in cases:
         row = {"n": n, "batch": batch, "causal": causal, "impl": name, "mode": mode}
@@ -268,9 +241,9 @@ def breakdown(ops, n: int, causal: bool, log) -> None:
     batch = TOKENS // n
     q, k, v = (torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE).requires_grad_() for _ in range(3))
     grad = torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE)
-    for mode in ("always", "never") if _two_forms(op.module) else ("never",):
-        if hasattr(op.module, "FACTORIZE"):
-            op.module.FACTORIZE = mode
+    base = op
+    for mode in ("always", "never") if _two_forms(base) else ("never",):
+        op = _in_form(base, mode)
         for _ in range(2):
             op(q, k, v).backward(grad)
             q.grad = k.grad = v.grad = None
@@ -281,11 +254,9 @@ def breakdown(ops, n: int, causal: bool, log) -> None:
                 q.grad = k.grad = v.grad = None  # as do_bench's grad_to_none: no accumulation kernels
             torch.cuda.synchronize()
         events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-        log(f"breakdown N={n} causal={causal} FACTORIZE={mode} (per call, us):")
+        log(f"breakdown N={n} causal={causal} factorize={mode} (per call, us):")
         for e in events[:10]:
             log(f"    {e.device_time_total / 5:9.1f}  {e.key[:90]}")
-        if hasattr(op.module, "FACTORIZE"):
-            op.module.FACTORIZE = "auto"
         q.grad = k.grad = v.grad = None
 
 
@@ -339,7 +310,7 @@ def table(rows, log):
     form_rows = [r for r in rows if r["impl"] in ("spherical_streamed", "spherical_factorized")]
     if form_rows:
         log("")
-        log("spherical by form (FACTORIZE = never / always), against SDPA and torch.compile:")
+        log("spherical by form (factorize = never / always), against SDPA and torch.compile:")
         log("| N | B | causal | streamed fwd | /SDPA | factorized fwd | /SDPA | /compile | streamed f+b | /SDPA "
             "| factorized f+b | /SDPA | /compile |")
         log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -373,7 +344,7 @@ DQ_DS_TILES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (256, 64, 8, 3
 
 
 def _kernel(module, suffix):
-    owner = getattr(module, "KERNELS", module)  # the op's autotuners of ncd/kernels/attention.py, or (older) globals
+    owner = getattr(module, "KERNELS", module)  # the op's autotuners (families/attention/kernel.py), or (older) globals
     return next(getattr(owner, a) for a in dir(owner) if a.endswith(suffix.lstrip("_")) and "fact" not in a)
 
 
@@ -396,32 +367,39 @@ def tile_sweep(ops, cases, log, budget_s):
     deterministic backward kernels; prints the best of each next to SDPA."""
     deadline = time.time() + budget_s
     for family, causal, n, kinds in cases:
-        _sweep_case(ops[(family, causal)].module, family, causal, n, kinds, log, deadline)
+        _sweep_case(ops[(family, causal)], family, causal, n, kinds, log, deadline)
 
 
-def _sweep_case(module, family, causal, n, kinds, log, deadline):
-    if hasattr(module, "FACTORIZE"):
-        module.FACTORIZE = "never"
+_SUFFIXES = ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_dq_ds_kernel", "_bwd_fused_kernel")
+
+
+def _sweep_case(op, family, causal, n, kinds, log, deadline):
+    """The streamed form's kernels, each variant (TMA, dS buffer, atomic dQ) an op of its own config
+    (`Op.with_config`); the forced tiles are undone on every module touched, which later sections reuse."""
+    saved: dict = {}
+
+    def variant(**fields):
+        module = _in_form(op, "never", **fields).module
+        if module not in saved:
+            saved[module] = {suffix: list(_kernel(module, suffix).configs) for suffix in _SUFFIXES}
+        return module
+
     batch = TOKENS // n
     q, k, v, do = (torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE) for _ in range(4))
     flops = 4.0 * batch * HEADS * n * n * DIM * (0.5 if causal else 1.0)
     sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), return_mode="median")
     log(f"tiles {family} causal={causal} N={n}: SDPA fwd {sdpa_ms:.3f} ms ({flops / sdpa_ms / 1e9:.0f} TFLOP/s)")
-    saved = {suffix: list(_kernel(module, suffix).configs)
-             for suffix in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_dq_ds_kernel",
-                            "_bwd_fused_kernel")}
-    ds_default = module.DS_BUFFER_BYTES
     try:
         if "fwd" in kinds:
             best = None
             for tma in (False, True):
-                module.USE_TMA = tma
+                module = variant(use_tma=tma)
                 for tile in FWD_TILES if tma else FWD_TILES[:1]:
                     if time.time() > deadline:
                         break
                     _force(module, "_fwd_kernel", tile)
                     try:
-                        ms = do_bench(lambda: module.forward(q, k, v), return_mode="median")
+                        ms = do_bench(lambda: module.forward(q, k, v), return_mode="median")  # noqa: B023
                     except Exception as exc:  # a tile that does not compile is a result
                         log(f"  fwd tma={int(tma)} {tile}: {type(exc).__name__}: {str(exc)[:120]}")
                         continue
@@ -429,34 +407,34 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
                         f"{sdpa_ms / ms:.2f}x SDPA")
                     if best is None or ms < best[0]:
                         best = (ms, tma, tile)
-            module.USE_TMA = True
-            _set_configs(module, "_fwd_kernel", saved["_fwd_kernel"])
+                _set_configs(module, "_fwd_kernel", saved[module]["_fwd_kernel"])
             log(f"  best fwd: {best}")
         if "bwd" in kinds:
-            o, stats = module.forward(q, k, v)
             for suffix, tiles, ds_bytes in (("_bwd_dkdv_kernel", DKDV_TILES, 0), ("_bwd_dq_kernel", DQ_TILES, 0),
                                             ("_bwd_dkdv_kernel", DKDV_TILES, 1 << 40),
                                             ("_bwd_dq_ds_kernel", DQ_DS_TILES, 1 << 40)):
-                module.DS_BUFFER_BYTES = ds_bytes  # 0: the dQ kernel recomputes S and dP; else dQ = dS K
+                # 0: the dQ kernel recomputes S and dP; else dQ = dS K
+                module = variant(ds_buffer_bytes=ds_bytes)
+                o, stats = module.forward(q, k, v)
                 best = None
                 for tile in tiles:
                     if time.time() > deadline:
                         break
                     _force(module, suffix, tile)
                     try:
-                        ms = do_bench(lambda: module.backward(do, q, k, v, o, stats), return_mode="median")
+                        ms = do_bench(lambda: module.backward(do, q, k, v, o, stats),  # noqa: B023
+                                      return_mode="median")
                     except Exception as exc:
                         log(f"  bwd {suffix} {tile}: {type(exc).__name__}: {str(exc)[:120]}")
                         continue
                     log(f"  bwd (all kernels) with {suffix} {tile}: {ms:.3f} ms")
                     if best is None or ms < best[0]:
                         best = (ms, tile)
-                _set_configs(module, suffix, saved[suffix])
+                _set_configs(module, suffix, saved[module][suffix])
                 log(f"  best {suffix} ({'stored dS' if ds_bytes else 'recompute'}): {best}")
-            module.DS_BUFFER_BYTES = ds_default
         if "fused" in kinds:  # the atomic-dQ backward (5 products per block pair instead of 7)
+            module = variant(deterministic_bwd=False)
             o, stats = module.forward(q, k, v)
-            module.DETERMINISTIC_BWD = False
             best = None
             for tile in FUSED_TILES:
                 if time.time() > deadline:
@@ -470,12 +448,14 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
                 log(f"  bwd fused (delta, fused, cast) {tile}: {ms:.3f} ms")
                 if best is None or ms < best[0]:
                     best = (ms, tile)
-            module.DETERMINISTIC_BWD = True
             log(f"  best fused: {best}")
+            module = variant()
+            o, stats = module.forward(q, k, v)
             ms = do_bench(lambda: module.backward(do, q, k, v, o, stats), return_mode="median")
             log(f"  bwd deterministic (delta, dK/dV, dQ; autotuned) for comparison: {ms:.3f} ms")
         if "bwd" in kinds:
             # the op's own autotuned fwd+bwd against SDPA's, as the table times them
+            module = variant()
             qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
             def ours():
@@ -486,11 +466,9 @@ def _sweep_case(module, family, causal, n, kinds, log, deadline):
             ours_ms, sdpa_ms = (do_bench(f, return_mode="median") for f in (ours, sdpa))
             log(f"  fwd+bwd autotuned {ours_ms:.3f} ms, SDPA {sdpa_ms:.3f} ms: {sdpa_ms / ours_ms:.2f}x")
     finally:
-        module.DS_BUFFER_BYTES = ds_default
-        for suffix, configs in saved.items():
-            _set_configs(module, suffix, configs)
-        if hasattr(module, "FACTORIZE"):
-            module.FACTORIZE = "auto"
+        for module, configs in saved.items():
+            for suffix, tiles in configs.items():
+                _set_configs(module, suffix, tiles)
 
 
 def main() -> int:
@@ -505,6 +483,7 @@ def main() -> int:
     parser.add_argument("--breakdown", default="", help="comma list of N: per-kernel times of both forms")
     parser.add_argument("--dim", type=int, default=DIM, help="head dim of every shape (default 128)")
     parser.add_argument("--tiles", default="", help="forced-tile sweep, e.g. softmax:1:4096:fwd+bwd;... then exit")
+    parser.add_argument("--json", help="write the ratios to this file (bench/results.py; when the checks pass)")
     args = parser.parse_args()
     DIM = args.dim
     t_start = time.time()
@@ -554,6 +533,11 @@ def main() -> int:
         (out_dir / "attention_bench.json").write_text(json.dumps(
             {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
              "correct": ok, "rows": rows}, indent=1))
+    if args.json and ok:
+        from results import attention_rows, new_run, write_results  # bench/results.py, beside this script
+
+        write_results(args.json, new_run("attention", torch.cuda.get_device_name(), attention_rows(rows),
+                                         source=f"bench/attention.py {' '.join(sys.argv[1:])}"))
     log(f"total {time.time() - t_start:.0f} s; correctness {'OK' if ok else 'FAILED'}")
     table(rows, log)
     finite = all(r["ms"] is None or math.isfinite(r["ms"]) for r in rows)

@@ -2,6 +2,7 @@
 
     python bench/compare.py [--ref 637edd4] [--families attention,rational,polykan,gka] [--quick]
                             [--bench-args 'gka=--ts 2048 --rs 10'] [--repeats 2] [--workdir DIR] [--dry-run]
+                            [--json PATH]  (the table in bench/results.py's format, for bench/plot.py)
 
 The old tree is `git archive REF` of this repository (default 637edd4, the last commit before issue 31's work;
 where the checkout has no git history, as on a device machine's copy, pass `--ref old.tar` made by
@@ -452,6 +453,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true", help="run nothing: the table of the logs in --workdir")
     parser.add_argument("--dry-run", action="store_true", help="prepare the trees, print the commands, run nothing")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the benches")
+    parser.add_argument("--json", help="also write the table to this file (bench/results.py's format)")
     args = parser.parse_args(argv)
     args.families = [f for f in args.families.split(",") if f]
     args.sides = [s for s in args.sides.split(",") if s]
@@ -519,7 +521,14 @@ def main(argv: list[str] | None = None, runner: Runner = run_subprocess) -> int:
     runs = [read_run(p, workdir) for p in sorted(logs.glob("*.log"))
             if (m := LOG.match(p.name)) and m["family"] in args.families]
     print(f"ref {args.ref}; threshold {args.threshold:.0%}; logs in {logs}")
-    return report(runs, labels, args.threshold)
+    status = report(runs, labels, args.threshold)
+    if args.json:
+        from results import compare_runs, write_results  # bench/results.py, beside this script
+
+        devices = {r.family: r.device for r in runs if r.side == "new" and r.device}
+        write_results(args.json, compare_runs(combine(runs), args.threshold, devices, labels,
+                                              source=f"bench/compare.py --ref {args.ref}"))
+    return status
 
 
 if __name__ == "__main__":

@@ -112,6 +112,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per row (default 100; 3 with --quick)")
     parser.add_argument("--specs", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
+    parser.add_argument("--json", help="write the ratios to this file (bench/results.py's format)")
     args = parser.parse_args()
     args.backend = args.backend or ("inductor" if args.device == "cuda" else "aot_eager")
     args.reps = args.reps or (3 if args.quick else 100)
@@ -121,6 +122,12 @@ def main() -> int:
     print(f"\n{'spec':<16} {'pass':<8} {'generic ms':>11} {'hand ms':>9} {'generic/hand':>13}")
     for name, mode, ours, theirs in rows:
         print(f"{name:<16} {mode:<8} {ours:11.3f} {theirs:9.3f} {ours / theirs:13.2f}")
+    if args.json:
+        from results import generic_rows, new_run, write_results  # bench/results.py, beside this script
+
+        sizes = {name: CASES[name][2 if args.quick else 1] for name, *_ in rows}
+        write_results(args.json, new_run("generic", device_name, generic_rows(rows, sizes),
+                                         source=f"bench/generic.py {' '.join(sys.argv[1:])}"))
     return 0
 
 

@@ -3,8 +3,8 @@
 Shapes (issue 6): bf16, B = 4, T in {2048, 4096, 8192}, H = 8, D = 128, r in {10, 30} Chebyshev steps.
 Side by side: ncd's generated op (forward, forward+backward; default scaled-fp16 products, and TF32 and the
 official kernels' bf16 products as forward variants), the chunked PyTorch reference
-(ncd.recurrence_reference.chunked_gka, autograd backward), the naive per-timestep recurrence with autograd (T = 2048
-only: one timed run each, seconds), and fla's
+(ncd.families.recurrence.reference.chunked_gka, autograd backward), the naive per-timestep recurrence with
+autograd (T = 2048 only: one timed run each, seconds), and fla's
 chunk_gated_delta_rule / chunk_simple_gla forward (fla-core 0.6.0 wheel) at the same shapes.
 
 Correctness, every run (fla issue 640: Triton 3.4-3.7.0 miscompiles some gated chunk backward kernels on
@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import json
 import os
+import sys
 import time
 
 import torch
@@ -36,8 +37,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import ncd
+from ncd.families.recurrence.reference import chunked_gka, naive_gka
 from ncd.ops import shipped_spec
-from ncd.recurrence_reference import chunked_gka, naive_gka
 
 B, H, D = 4, 8, 128
 RESULTS: dict[str, object] = {}
@@ -48,7 +49,7 @@ def log(*args):
 
 
 def configure(module, **changes):
-    """Product precisions and tiles of the op: fields of its config (ncd/kernels/recurrence_config.py), which the
+    """Product precisions and tiles of the op: fields of its config (ncd/families/recurrence/config.py), which the
     generated module holds as CONFIG."""
     module.CONFIG = dataclasses.replace(module.CONFIG, **changes)
 
@@ -240,6 +241,7 @@ def main():
     parser.add_argument("--forward-only", action="store_true", help="--profile: the forward alone")
     parser.add_argument("--grads", default="default",
                         help="--profile: backward product precisions to compare (config grad_precision)")
+    parser.add_argument("--json", help="write the ratios to this file (bench/results.py; when the checks pass)")
     args = parser.parse_args()
     ts = [int(t) for t in args.ts.split(",")]
     rs = [int(r) for r in args.rs.split(",")]
@@ -283,6 +285,11 @@ def main():
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gka.json"), "w") as handle:
             json.dump(RESULTS, handle, indent=1)
+    if args.json and not failures:
+        from results import gka_rows, new_run, write_results  # bench/results.py, beside this script
+
+        write_results(args.json, new_run("gka", torch.cuda.get_device_name(), gka_rows(rows, f", B {B} H {H} D {D}"),
+                                         source=f"bench/gka.py {' '.join(sys.argv[1:])}"))
     log("")
     log(f"GKA, bf16, B {B}, H {H}, D {D}; ms (median of do_bench; 'kernels': CUDA time per call); ratios: ncd fwd / "
         "fla GDN fwd (targets: <= 3 at r 30, <= 1.5 at r 10; by do_bench and by kernel time), naive fwd+bwd / ncd "

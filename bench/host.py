@@ -7,6 +7,9 @@ Python around the kernels), beside PyTorch's (and, where installed, fla's) ops a
 --ab-fast-launch times each case with direct launches (ncd/launch.py) on and off, alternating in this process
 (one shared host is too noisy for separate processes to compare), and prints the medians and the median of the
 paired differences.
+
+Without a GPU: bench/host_cpu.py times the same host path with the launches stubbed out, against an older commit
+in the same process.
 """
 
 from __future__ import annotations
@@ -93,8 +96,7 @@ def direct_launch_matches():
 
 
 def attention_cases():
-    op = ncd.load(ROOT / "specs" / "causal_spherical_attention.ncd")
-    op.module.FACTORIZE = "never"
+    op = ncd.load(ROOT / "specs" / "causal_spherical_attention.ncd", config={"factorize": "never"})
     q, k, v = (torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     g = torch.randn_like(q)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
@@ -148,7 +150,7 @@ def gka_cases():
 
 
 def polykan_cases():
-    from ncd.polykan import PolyKANLayer
+    from ncd.families.polykan.plan import PolyKANLayer
 
     layer = PolyKANLayer(64, 64, 5).cuda()
     x = torch.randn(64, 64, device="cuda", requires_grad=True)

@@ -1,7 +1,7 @@
 """GPU benchmark of the polynomial-KAN family (ncd) against eager, torch.compile and Triton + cuBLAS baselines.
 
 Run from outside the repository so that the installed ncd is imported:
-    cd /tmp && python3 /path/to/repo/bench/polykan.py [--no-sweep]
+    cd /tmp && python3 /path/to/repo/bench/polykan.py [--no-sweep] [--json PATH]
 Sections, in one run: correctness on the GPU (ncd vs a float64 eager reference, every regime and basis
 evaluation), timing of every variant side by side (fp32), kernel launches and GPU kernel time per training
 step (torch profiler), a sweep of the GEMM regime's tiles at the large config, a 3-layer ChebyKAN MLP with
@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 import traceback
+from typing import Any
 
 import torch
 import torch._functorch.config
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 import ncd
-from ncd.polykan import ChebyKANLayer, PolyKANLayer
+from ncd.families.polykan.plan import ChebyKANLayer, PolyKANLayer
 
 CONFIGS = [(128, 40, 256, 8), (64, 256, 512, 15), (32, 512, 1024, 24), (4096, 1024, 1024, 8)]
 LARGE = CONFIGS[-1]
@@ -32,6 +33,7 @@ MID = CONFIGS[1]
 SATURATED = (128, 40, 256, 8)
 DEV = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" (with TRITON_INTERPRET=1) only to smoke-test this script
 OUT = os.environ.get("OUT", "/tmp")
+JSON_PATH = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv[1:-1] else None  # bench/results.py
 LINES: list[str] = []
 MAIN = "ncd (LUT, kernel layout)"
 # the bwd-only timing replays one graph (retain_graph=True): compiled backwards must not donate buffers
@@ -264,12 +266,20 @@ def ncd_layer(i: int, o: int, d: int, basis: str = "chebyshev", **kw) -> PolyKAN
 def bf16_layer(i: int, o: int, d: int) -> ChebyKANLayer:
     """ChebyKANLayer compiled with matmul=bf16x3 (the GEMM regime's operands as bf16 parts)."""
     layer = ChebyKANLayer(i, o, d, layout="kernel")
-    op = ncd.load(ncd.polykan.spec_path("chebyshev"), sizes={"deg": d + 1}, options={"matmul": "bf16x3"})
+    op = ncd.load(ncd.families.polykan.plan.spec_path("chebyshev"), sizes={"deg": d + 1}, options={"matmul": "bf16x3"})
     layer._op, layer._fn = op, op.fn
     return layer
 
 
 # --- sections ---------------------------------------------------------------------------------------------
+
+
+def with_config(layer: torch.nn.Module, base: Any = None, **fields: Any) -> torch.nn.Module:
+    """`layer` running its op (or `base`) compiled with `fields` of its config replaced (`Op.with_config`: the
+    regime, tiles, precisions are the config's, not module globals)."""
+    layer._op = (base or layer._op).with_config(**fields)
+    layer._fn = layer._op.fn
+    return layer
 
 
 def correctness() -> bool:
@@ -284,10 +294,9 @@ def correctness() -> bool:
         torch.manual_seed(0)
         layer = bf16_layer(i, o, d).to(DEV) if special == "bf16x3" else ncd_layer(i, o, d, basis,
                                                                                    basis_eval=mode).to(DEV)
-        module = layer._op.module
         if special == "gemm":
-            module.FORCE_REGIME = "gemm"
-            module._PLANS.clear()
+            with_config(layer, regime="gemm")
+        module = layer._op.module
         x = (torch.randn(b, i, device=DEV) * 2).requires_grad_(True)
         gy = torch.randn(b, o, device=DEV)
         first = torch.autograd.grad(layer(x), [x, layer.coefficients], gy)
@@ -297,8 +306,6 @@ def correctness() -> bool:
         with torch.no_grad():
             y_ng = layer(x)
         regime = next(iter(module._PLANS.values())).til.regime
-        module.FORCE_REGIME = None
-        module._PLANS.clear()
         xd = x.detach().double().requires_grad_(True)
         cd = layer.coefficients.detach().double().requires_grad_(True)
         yr = torch.einsum("bid,iod->bo", recurrence_basis(torch.tanh(xd), d, basis), cd)
@@ -312,18 +319,13 @@ def correctness() -> bool:
     for mode in ("lut", "recurrence"):
         for regime in ("fused", "gemm"):
             b, i, o, d = SATURATED
-            layer = ChebyKANLayer(i, o, d, basis_eval=mode).to(DEV)
-            module = layer._op.module
-            module.FORCE_REGIME = regime
-            module._PLANS.clear()
+            layer = with_config(ChebyKANLayer(i, o, d, basis_eval=mode).to(DEV), regime=regime)
             x = torch.full((b, i), 12.0, device=DEV)
             x[::2] = -15.0
             x[0, 0] = 1e30
             x.requires_grad_(True)
             y = layer(x)
             dx, dc = torch.autograd.grad(y, [x, layer.cheby_coeffs], torch.randn_like(y))
-            module.FORCE_REGIME = None
-            module._PLANS.clear()
             fin = bool(torch.isfinite(dx).all() and torch.isfinite(dc).all() and torch.isfinite(y).all())
             ok &= fin
             log(f"  saturated inputs (|x| >= 12), {mode}, {regime}: finite y, dx, dC: {fin}")
@@ -424,16 +426,14 @@ def sweep() -> list[str]:
     }
     for split, configs in candidates.items():
         layer = (bf16_layer(i, o, d) if split == "bf16" else ChebyKANLayer(i, o, d)).to(DEV)
-        module = layer._op.module
+        base = layer._op
         xd = x.detach().double().requires_grad_(True)
         cd = layer.cheby_coeffs.detach().double().requires_grad_(True)
         yr = torch.einsum("bid,iod->bo", recurrence_basis(torch.tanh(xd), d), cd)
         dxr, dcr = torch.autograd.grad(yr, [xd, cd], g.double())
         del xd, cd
         for cfg, kchunk in configs:
-            module.GEMM_CONFIG = cfg
-            module.GEMM_KCHUNK = kchunk
-            module._PLANS.clear()
+            with_config(layer, base, gemm_tiles=cfg, gemm_kchunk=kchunk)
             t0 = time.time()
             try:
                 y = layer(x)
@@ -450,9 +450,6 @@ def sweep() -> list[str]:
                 line = f"  {split} {cfg} KCHUNK {kchunk}: failed ({type(err).__name__}: {str(err)[:120]})"
             log(line)
             out.append(line)
-        module.GEMM_CONFIG = None
-        module.GEMM_KCHUNK = 1024
-        module._PLANS.clear()
     return out
 
 
@@ -535,16 +532,14 @@ def fused_sweep() -> None:
         g = torch.randn(b, o, device=DEV)
         for mode in ("recurrence", "lut"):
             layer = ChebyKANLayer(i, o, d, basis_eval=mode).to(DEV)
-            module = layer._op.module
+            base = layer._op
             xd = x.detach().double().requires_grad_(True)
             cd = layer.cheby_coeffs.detach().double().requires_grad_(True)
             yr = torch.einsum("bid,iod->bo", recurrence_basis(torch.tanh(xd), d), cd)
             dxr, dcr = torch.autograd.grad(yr, [xd, cd], g.double())
             runs = [(v, "tf32x3") for v in (variants if mode == "recurrence" else variants[:1])] + [(None, "bf16x3")]
             for variant, prec in runs:
-                module.FUSED_CONFIG = variant
-                module.FUSED_PREC = prec
-                module._PLANS.clear()
+                module = with_config(layer, base, fused_tiles=variant, fused_precision=prec)._op.module
                 try:
                     y = layer(x)
                     dx, dc = torch.autograd.grad(y, [x, layer.cheby_coeffs], g)
@@ -562,9 +557,6 @@ def fused_sweep() -> None:
                             f"{k[:12]} {v:.1f}us" for k, v in kernels.items()) + f"]  {errs}")
                 except Exception as err:
                     log(f"  {cfg} {mode} {prec} {variant}: failed ({type(err).__name__}: {str(err)[:160]})")
-            module.FUSED_CONFIG = None
-            module.FUSED_PREC = module._PREC
-            module._PLANS.clear()
 
 
 def training() -> tuple[float, float, float, float]:
@@ -653,6 +645,12 @@ def main() -> int:
     log(f"correctness: {'ok' if ok else 'FAIL'}")
     with open(os.path.join(OUT, "polykan_bench.txt"), "w") as f:
         f.write("\n".join(LINES) + "\n")
+    if JSON_PATH and ok:
+        from results import new_run, polykan_rows, write_results  # bench/results.py, beside this script
+
+        device = torch.cuda.get_device_name() if DEV == "cuda" else DEV
+        write_results(JSON_PATH, new_run("polykan", device, polykan_rows(rows, MAIN, LARGE),
+                                         source=f"bench/polykan.py {' '.join(sys.argv[1:])}"))
     return 0 if ok else 1
 
 

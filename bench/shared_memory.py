@@ -8,8 +8,9 @@ is the op's default for the dtype unless --prec names one for every kernel that 
     python bench/shared_memory.py [--dtype float32|bfloat16] [--prec ieee|tf32x3|...] [--all-configs] [--dump DIR]
 
 --dump writes each kernel's TTGIR and PTX with source locations and the PTX's DWARF sections stripped, so that two
-trees' kernels can be diffed (PYTHONPATH selecting the tree). The kernels live in ncd/kernels/recurrence.py, the spec's
-scalings come from the generated module as constexpr device functions (recorded by name).
+trees' kernels can be diffed (PYTHONPATH selecting the tree). The kernels live in
+ncd/families/recurrence/kernel.py, the spec's scalings come from the generated module as constexpr device
+functions (recorded by name).
 
 Measured (2026-11-25, Triton 3.9 here): fp32 inputs with tf32x3 products put `_solve` at 262,144 bytes, exactly
 what the H100 (Triton 3.6) reported when it refused the launch; with ieee products (the default) at 147,456.
@@ -52,7 +53,7 @@ def _describe(value):
 
 
 def _kernels(module):
-    """Where the kernels live: the static module the generated one calls (ncd/kernels/recurrence.py)."""
+    """Where the kernels live: the static module the generated one calls (ncd/families/recurrence/kernel.py)."""
     return getattr(module, "_kernels", module)
 
 

@@ -6,11 +6,12 @@ from .ir import Program
 from .pipeline import FrontEnd, front_end, load_spec
 
 
-def load(path, cache_dir=None, sizes=None, options=None):
-    """Compile a spec (cached by content hash, size overrides and options) and return its op; see `ncd.ops.load`."""
+def load(path, cache_dir=None, sizes=None, options=None, config=None):
+    """Compile a spec (cached by content hash, size overrides, options and config overrides) and return its op; see
+    `ncd.ops.load`."""
     from .ops import load as _load
 
-    return _load(path, cache_dir, sizes, options)
+    return _load(path, cache_dir, sizes, options, config)
 
 
 __version__ = "0.1.0"

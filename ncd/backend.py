@@ -9,13 +9,14 @@ import ast as pyast
 import dataclasses
 import functools
 import hashlib
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING
 
 from . import __version__, ast, ir
-from .errors import InvalidIdentifier, InvalidStatement, NoKernelFamily
+from .errors import InvalidIdentifier, InvalidStatement, NcdError, NoKernelFamily
 from .family import Decline, Family, KernelPlan
 from .limits import symbolic_budget
 from .pipeline import FrontEnd
@@ -39,24 +40,49 @@ class Selection:
 
 
 def select(front: FrontEnd, bindings: dict[str, int] | None = None) -> Selection:
-    """Ask the registry's families in order; the first plan wins. The generic family, last, claims every spec it
-    can honour and raises a located error for the rest, so every verified spec either compiles or is rejected."""
+    """Ask the registry's families in order; the first plan wins. A specialised family that recognises a spec but
+    cannot compile it (a located `unsupported` / `not-streamable` error) counts as declining with that reason, and
+    the generic family, last, compiles the spec from its IR, with a `FallbackWarning` naming the location: every
+    verified spec compiles or is rejected with a located error (the specialised family's, where generic fails
+    too)."""
     from .families import REGISTRY
 
     declined: list[str] = []
+    refused: NcdError | None = None
+    refused_line = ""
     with symbolic_budget(front.source, "deriving the kernel plan"):  # also gives the families' errors the source
-        for family in REGISTRY:
+        for index, family in enumerate(REGISTRY):
             planner = family.load(family.planner)
-            found = planner(front, bindings or {})  # type: ignore[operator]
+            try:
+                found = planner(front, bindings or {})  # type: ignore[operator]
+            except NcdError as err:
+                if index == len(REGISTRY) - 1 and refused is not None:
+                    raise refused from None  # the family that recognised the spec says what its fast path needs
+                if err.code not in _FALL_THROUGH or index == len(REGISTRY) - 1:
+                    raise
+                found = Decline(f"recognised, but: {err.message}", err.span)
+                if refused is None:
+                    refused, refused_line = err.with_source(front.source), found.line(family.name)
             if isinstance(found, Decline):
                 declined.append(found.line(family.name))
                 continue
             _check_signature(front.program)
+            if refused is not None:
+                warnings.warn(FallbackWarning(f"{refused_line}; compiled by the {family.name} family instead "
+                                              "(correct, but not the specialised kernels)"), stacklevel=2)
             return Selection(family, found, tuple(declined))
     outputs = front.program.outputs
     asked = "; ".join(declined) or "none (the registry is empty)"
     raise NoKernelFamily(outputs[-1].span if outputs else None, name=front.program.name, families=asked
                          ).with_source(front.source)
+
+
+# A specialised family's "mine, but I cannot compile this": the spec falls through to the families after it.
+_FALL_THROUGH = frozenset({"unsupported", "not-streamable"})
+
+
+class FallbackWarning(UserWarning):
+    """A specialised family recognised the spec but could not compile it; a later family (generic) did."""
 
 
 def find_plan(front: FrontEnd, bindings: dict[str, int] | None = None) -> KernelPlan:
@@ -123,22 +149,25 @@ def _generating_settings() -> tuple[tuple[str, object], ...]:
                  if f.name not in _PROCESS_SETTINGS)
 
 
-def op_id(front: FrontEnd, bindings: Mapping[str, int] | None = None) -> str:
+def op_id(front: FrontEnd, bindings: Mapping[str, int] | None = None,
+          config: tuple[tuple[str, object], ...] = ()) -> str:
     """A name unique to everything that decides the generated text: the spec text, size overrides and options,
-    the plan's `--bind` sizes and the generating NCD_* settings, this compiler (`compiler_digest`) and the spec's
+    the plan's `--bind` sizes, the fields of its config overridden (`config`, ncd/compiler.py: `with_config`) and
+    the generating NCD_* settings, this compiler (`compiler_digest`) and the spec's
     file name as generated code shows it (`origin_name`: the origin comments of a cached module then name the file
     it was generated from). Custom ops are global per process; the cache is keyed by it. 96 bits: two specs
     colliding by design would take ~2^48 work."""
     key = repr((compiler_digest(), origin_name(front.source.filename), front.source.text, front.sizes, front.options,
-                tuple(sorted((bindings or {}).items())), _generating_settings()))
+                tuple(sorted((bindings or {}).items())), _generating_settings(), *((config,) if config else ())))
     digest = hashlib.sha256(key.encode()).hexdigest()
     return f"{front.program.name}_{digest[:24]}"
 
 
 def generate(front: FrontEnd, kernel_plan: KernelPlan | None = None,
-             bindings: Mapping[str, int] | None = None) -> str:
+             bindings: Mapping[str, int] | None = None, config: tuple[tuple[str, object], ...] = ()) -> str:
+    """The module of `kernel_plan` (a plan whose config has the overrides `config`, which name the op)."""
     with symbolic_budget(front.source, "generating the kernels"):
-        code = (kernel_plan or plan(front, dict(bindings or {}))).render(front.program, op_id(front, bindings))
+        code = (kernel_plan or plan(front, dict(bindings or {}))).render(front.program, op_id(front, bindings, config))
     _check_name_is_free(front, code)
     return code
 

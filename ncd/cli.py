@@ -10,6 +10,7 @@ import argparse
 import os
 import random
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -134,6 +135,7 @@ def _device() -> str:
 def cmd_check(args: argparse.Namespace) -> int:
     from ncd.compiler import advance, compile_front
 
+    device = _device()  # before planning imports any kernel: @triton.jit reads TRITON_INTERPRET at decoration
     result = _front_end(args.spec)
     p = result.program
     print(f"{result.source.filename}: spec {p.name}: "
@@ -146,7 +148,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     except NcdError:
         print("  --   numerics   not run: no kernel family compiles this spec", flush=True)
         raise
-    device = _device()
     import torch
 
     from ncd.ops import Op
@@ -244,10 +245,27 @@ def _nesting_error(path: str) -> str:
                           ).with_source(source).render()
 
 
+def _run_noting_fallbacks(args: argparse.Namespace) -> int:
+    """Run the command; a specialised family that recognised the spec but left it to the generic family is said
+    on stderr as a note with its location (other warnings pass through unchanged)."""
+    from ncd.backend import FallbackWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FallbackWarning)
+        try:
+            return int(args.run(args))
+        finally:
+            for w in caught:
+                if issubclass(w.category, FallbackWarning):
+                    print(f"ncd: note: {w.message}", file=sys.stderr)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args))
+        return _run_noting_fallbacks(args)
     except NcdError as err:
         print(err.render(), file=sys.stderr)
         return EXIT_SPEC

@@ -137,7 +137,7 @@ class FormEstimate:
 
 
 def factorized_estimate(shape: AttentionShape, chunk: int) -> FormEstimate:
-    """The factorized form's forward (ncd/factorize.py). A scan writes K_w^T [V | K] ([D, 2D] per kv head,
+    """The factorized form's forward (attention's factorize.py). A scan writes K_w^T [V | K] ([D, 2D] per kv head,
     one per chunk of `chunk` keys when causal); the output kernel reads Q, the states, and (causal) the keys
     and values of its own chunk, whose scores it forms as the streamed kernel does on its diagonal."""
     s = shape

@@ -193,5 +193,4 @@ def _kat_device(device: object) -> str:
                      "upcast_under_autocast= by keyword")
 
 
-# Polynomial KAN layers (ncd/polykan.py), re-exported so that ncd.kan.ChebyKANLayer / ncd.kan.PolyKANLayer work.
-from .polykan import ChebyKANLayer, PolyKANLayer  # noqa: E402, F401
+# Polynomial KAN layers (families/polykan), re-exported so that ncd.kan.ChebyKANLayer / ncd.kan.PolyKANLayer work.

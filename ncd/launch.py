@@ -84,6 +84,7 @@ def _enabled(enabled: bool | None) -> bool:
 
 
 _PLAIN = frozenset({int, bool, str, type(None)})  # keyed by value (str: a constexpr such as a precision)
+_PARAMETER = torch.nn.Parameter
 
 
 def _key_of(arg: Any) -> Any:
@@ -92,13 +93,17 @@ def _key_of(arg: Any) -> Any:
     kind = type(arg)
     if kind in _PLAIN:
         return arg
-    if kind is torch.Tensor or hasattr(arg, "data_ptr"):
+    if kind is torch.Tensor or kind is _PARAMETER:
         return arg.dtype, arg.get_device(), arg.data_ptr() & 15 == 0
+    if kind is tuple:  # a tuple argument (e.g. a rational op's parameters): Triton specialises each member
+        if set(map(type, arg)) <= _PLAIN:  # ints (strides): each its own key, found without a call per member
+            return tuple, arg
+        keys = tuple(map(_key_of, arg))
+        return NotImplemented if NotImplemented in keys else (tuple, keys)
     if kind is float:
         return float
-    if kind is tuple:  # a tuple argument (e.g. a rational op's parameters): Triton specialises each member
-        keys = tuple(map(_key_of, arg))
-        return NotImplemented if any(k is NotImplemented for k in keys) else (tuple, keys)
+    if hasattr(arg, "data_ptr"):  # another tensor subclass
+        return arg.dtype, arg.get_device(), arg.data_ptr() & 15 == 0
     if isinstance(arg, int | str):
         return arg
     if _DESCRIPTOR is not None and isinstance(arg, _DESCRIPTOR):
@@ -113,20 +118,12 @@ def _kwargs_key(kwargs: dict) -> tuple:
     hash is a hash of its source key, about 0.5 us each, and hooks made 14 of them a launch (bench/log/
     2026-11-26-issue31.md). An identity cannot be reused while the entry lives: the entry's `meta` holds the
     function."""
-    return tuple([(k, id(v)) if type(v) is _JIT_FUNCTION else (k, v) for k, v in kwargs.items()])
-
-
-def _run(compiled: Any, grid: tuple, stream: int, args: tuple) -> None:
-    """Launch `compiled` as Triton's JIT does: grid, stream, function, metadata, launch hooks, every parameter."""
-    runtime = _RUNTIME
-    enter = runtime.launch_enter_hook
-    meta = compiled.launch_metadata(grid, stream, *args) if enter is not None else None
-    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, meta, enter,
-                 runtime.launch_exit_hook, *args)
+    return tuple(kwargs), tuple([(_JIT_FUNCTION, id(v)) if type(v) is _JIT_FUNCTION else v for v in kwargs.values()])
 
 
 def _why_not_direct(kernel: Any, compiled: Any, n_positional: int, constexprs: dict) -> str:
-    """Why `compiled` (what `kernel[grid](...)` returned) cannot be launched by `_run` ("direct": it can)."""
+    """Why `compiled` (what `kernel[grid](...)` returned) cannot be launched directly ("direct": it can), as
+    Triton's JIT launches it: grid, stream, function, metadata, launch hooks, every parameter."""
     names = _arg_names(kernel)
     if compiled is None or not all(hasattr(compiled, a) for a in _COMPILED_ATTRS):
         return f"unexpected compiled-kernel object {type(compiled).__name__}"
@@ -160,7 +157,10 @@ class FastKernel:
             return self.kernel[grid](*args, **kwargs)
         device = _current_device()
         arg_keys = tuple(map(_key_of, args))
-        key = (device, arg_keys, _kwargs_key(kwargs)) if NotImplemented not in arg_keys else None
+        # _kwargs_key, inline (host time per launch)
+        key = (device, arg_keys, (tuple(kwargs), tuple([(_JIT_FUNCTION, id(v)) if type(v) is _JIT_FUNCTION else v
+                                                        for v in kwargs.values()]))) \
+            if NotImplemented not in arg_keys else None
         hit = self.cache.get(key) if key is not None else None
         if hit is None:
             compiled = self.kernel[grid](*args, **kwargs)
@@ -171,7 +171,13 @@ class FastKernel:
         if hook is not None:  # e.g. the TMA descriptors' tile for the tuned config
             hook({**dict(zip(self.names, args, strict=False)), **meta})
         g = (*(grid(meta) if callable(grid) else grid), 1, 1)
-        _run(compiled, g[:3], _current_stream(device), (*args, *tail))
+        # as Triton's JIT launches (inline: host time per launch)
+        runtime = _RUNTIME
+        enter = runtime.launch_enter_hook
+        stream = _current_stream(device)
+        launch_meta = compiled.launch_metadata(g[:3], stream, *args, *tail) if enter is not None else None
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, launch_meta, enter,
+                     runtime.launch_exit_hook, *args, *tail)
         return compiled
 
     def _remember(self, key: tuple, compiled: Any, args: tuple, kwargs: dict) -> None:
@@ -224,8 +230,14 @@ class BoundKernel:
         self.why = "not launched yet"
 
     def __call__(self, stream: int, *args: Any) -> None:
-        if self.compiled is not None:
-            _run(self.compiled, self.grid, stream, (*args, *self.tail))
+        compiled = self.compiled
+        if compiled is not None:  # as Triton's JIT launches (inline: host time per launch)
+            runtime = _RUNTIME
+            enter = runtime.launch_enter_hook
+            grid = self.grid
+            meta = compiled.launch_metadata(grid, stream, *args, *self.tail) if enter is not None else None
+            compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, meta, enter,
+                         runtime.launch_exit_hook, *args, *self.tail)
             return
         try:
             compiled = self.kernel[self.grid](*args, **self.constexprs, **self.options)

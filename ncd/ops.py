@@ -5,16 +5,17 @@ sources) in the per-user cache directory or NCD_CACHE_DIR; ncd/cache.py checks e
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from .cache import CacheError, import_generated
-from .compiler import Compiled, compile_spec
+from .compiler import Compiled, ConfigError, advance, compile_spec, config_overrides, with_config
 from .family import KernelPlan
 
-__all__ = ["CacheError", "Op", "chunk_gka", "import_generated", "load", "shipped_spec"]
+__all__ = ["CacheError", "ConfigError", "Op", "chunk_gka", "import_generated", "load", "shipped_spec"]
 
 
 class Op:
@@ -39,6 +40,23 @@ class Op:
         """The family's plan (derived on first use, once: a cached module is imported without it)."""
         return self.compiled.plan
 
+    @property
+    def config(self) -> Any:
+        """The family's frozen config of this op (its plan's; the generated module embeds it as `CONFIG`)."""
+        return self.plan.config  # type: ignore[attr-defined]
+
+    def with_config(self, **fields: Any) -> Op:
+        """This spec compiled with `dataclasses.replace(config, **fields)`: another op (its own op id, cached like
+        any op), e.g. `op.with_config(factorize="always")`, `op.with_config(use_tma=False)`. Overrides add to this
+        op's; ConfigError (naming the config's fields) for a field the family's config does not have."""
+        merged = {**dict(self.compiled.config), **fields}
+        variant = dataclasses.replace(self.compiled, module=None, path=None, config=config_overrides(merged))
+        found = self.compiled.__dict__.get("selection")
+        if found is not None:  # this op's plan with the fields replaced: the spec is not planned again
+            changed = with_config(found.plan, dict(config_overrides(fields)))
+            variant.__dict__["selection"] = dataclasses.replace(found, plan=changed)
+        return Op(advance(variant, "import", self.path.parent))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
@@ -47,12 +65,13 @@ class Op:
 
 
 def load(path: str | Path, cache_dir: str | Path | None = None, sizes: Mapping[str, int] | None = None,
-         options: Mapping[str, str] | None = None) -> Op:
+         options: Mapping[str, str] | None = None, config: Mapping[str, Any] | None = None) -> Op:
     """Compile the spec at `path` (cached by content) and return its op. `sizes` overrides fixed axis sizes
     (`sizes={"deg": 25}` compiles `axis deg = 9` as 25, re-checking the spec); `options` are family options
-    (polykan: `{"basis_eval": "lut" | "recurrence"}`). Both are part of the cache key. Raises `CacheError` when
-    the cache directory is unusable or not private to this user."""
-    return Op(compile_spec(path, sizes, options, cache_dir=cache_dir))
+    (polykan: `{"basis_eval": "lut" | "recurrence"}`); `config` overrides fields of the family's config
+    (`Op.with_config`). All are part of the cache key. Raises `CacheError` when the cache directory is unusable or
+    not private to this user, `ConfigError` for a field the family's config does not have."""
+    return Op(compile_spec(path, sizes, options, cache_dir=cache_dir, config=config))
 
 
 # --- shipped ops with library conventions -------------------------------------------------------------------

@@ -6,6 +6,7 @@ back the size of every axis, or a `CallError` that names the tensor and the axis
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -89,6 +90,50 @@ def check_device(tensors: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
         raise CallError(None, detail=f"{first[0]} is on the CPU; ncd kernels run on CUDA devices "
                         "(or on the CPU under TRITON_INTERPRET=1)")
     return device
+
+
+class CheckMemo:
+    """What an op's call-time checks derived (axis sizes, a dtype), remembered per call signature: the shape, dtype
+    and device of every tensor argument, all that `bind_axes`, `check_floats` and `check_device` read. A call whose
+    signature passed before skips them (host time per call: bench/host_cpu.py). Failed checks are never
+    remembered, so every bad call still raises its CallError; at most `limit` signatures are kept."""
+
+    __slots__ = ("entries", "limit")
+
+    def __init__(self, limit: int = 256) -> None:
+        self.entries: dict[tuple, object] = {}
+        self.limit = limit
+
+    @staticmethod
+    def signature(*tensors: torch.Tensor | None) -> tuple | None:
+        """The call's signature; None (nothing to remember) when an argument is not a tensor or None."""
+        try:
+            return tuple([None if t is None else (t.shape, t.dtype, t.device) for t in tensors])
+        except AttributeError:
+            return None
+
+    def get(self, signature: tuple | None) -> object:
+        found = None if signature is None else self.entries.get(signature)
+        if type(found) is _OnTheCpu:  # valid only while TRITON_INTERPRET is what it was (check_device reads it)
+            return found.value if os.environ.get("TRITON_INTERPRET") == found.interpret else None
+        return found
+
+    def put(self, signature: tuple | None, value: object) -> None:
+        if signature is None:
+            return
+        if len(self.entries) >= self.limit:  # shapes streaming by: start over rather than grow
+            self.entries.clear()
+        if any(s is not None and s[2].type == "cpu" for s in signature):
+            value = _OnTheCpu(value, os.environ.get("TRITON_INTERPRET"))
+        self.entries[signature] = value
+
+
+@dataclasses.dataclass(frozen=True)
+class _OnTheCpu:
+    """A remembered CPU signature: CPU tensors pass check_device only under the interpreter."""
+
+    value: object
+    interpret: str | None
 
 
 def scalar_input(name: str, value: object, differentiable: bool = False) -> float | torch.Tensor:

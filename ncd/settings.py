@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +58,7 @@ class Settings:
     # NCD_ATTENTION_DS_BUFFER_BYTES: the largest dS buffer the attention backward may allocate to skip
     # recomputing S and dP in its dQ kernel (0: never); None keeps the generated module's default (4 GiB)
     attention_ds_buffer_bytes: int | None = None
-    # NCD_FIT_CARVEOUT: give kernels that spill registers more L1 (ncd/carveout.py; default on)
+    # NCD_FIT_CARVEOUT: give kernels that spill registers more L1 (ncd/families/recurrence/carveout.py; default on)
     fit_carveout: bool = True
     # NCD_FAST_LAUNCH: launch compiled kernels directly after their first call (ncd/launch.py; default on)
     fast_launch: bool = True
@@ -86,3 +88,28 @@ class Settings:
 
 def settings() -> Settings:
     return Settings.from_env()
+
+
+# A debugging aid, not a plan decision (so not part of any op's config or id): every family fills its output and
+# workspace buffers with NaN before its kernels write them, so an element a kernel forgets to store shows up. The
+# tests (tests/conftest.py sets NCD_POISON_OUTPUTS=1) and `ncd check` switch it on. NCD_POISON_OUTPUTS is read when
+# this module is imported; `poisoned()` switches it for a block. Launchers read `POISON_OUTPUTS` at each allocation
+# (a module attribute: no call, no environment look-up).
+POISON_OUTPUTS: bool = _flag("NCD_POISON_OUTPUTS", False)
+
+
+def poison_outputs() -> bool:
+    """Whether kernels' output buffers start as NaN now."""
+    return POISON_OUTPUTS
+
+
+@contextlib.contextmanager
+def poisoned(on: bool = True) -> Iterator[None]:
+    """Output buffers filled with NaN before every launch inside the block (`on=False`: not), then as before."""
+    global POISON_OUTPUTS
+    saved = POISON_OUTPUTS
+    POISON_OUTPUTS = on
+    try:
+        yield
+    finally:
+        POISON_OUTPUTS = saved

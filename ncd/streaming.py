@@ -26,16 +26,12 @@ import sympy
 from . import ir
 from .errors import NotStreamable
 from .source import Span
-from .symbolic import to_sympy
+from .symbolic import lambda_to_sympy, to_sympy
 
 X = sympy.Symbol("x", real=True)
 Z = sympy.Symbol("z", positive=True)
 _T = sympy.Symbol("t", positive=True)
 _M = sympy.Symbol("m", real=True)
-
-
-_ARITH = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b,
-          "max": sympy.Max, "min": sympy.Min}
 
 
 @dataclass(frozen=True)
@@ -247,29 +243,29 @@ def _score(program: ir.Program, node: ir.Node, axis: str, blame: ir.Node) -> tup
     return score, pre
 
 
-def _map_of(program: ir.Program, node: ir.Node, score: ir.Node, axis: str, blame: ir.Node) -> sympy.Expr:
-    """`node` as sympy in X standing for `score`; scalar inputs (scale) stay symbols."""
-    node = ir.inline(program, node)
-    if node == score:
-        return X
-    if isinstance(node, ir.Load) and not node.axes:
-        return sympy.Symbol(node.tensor, positive=True)
-    if isinstance(node, ir.Const):
-        return to_sympy(node)
-    if isinstance(node, ir.SizeOf):  # an axis size: a number, or a symbol bound at call time
-        return program.axis(node.axis).size
-    if isinstance(node, ir.Unary):
-        inner = _map_of(program, node.arg, score, axis, blame)
-        return -inner if node.fn == "neg" else to_sympy(ir.Unary(node.fn, ir.Var("_", node.span), (), node.span),
-                                                          variables={"_": inner})
-    if isinstance(node, ir.Binary) and not node.boolean:
-        lhs = _map_of(program, node.lhs, score, axis, blame)
-        rhs = _map_of(program, node.rhs, score, axis, blame)
-        return _ARITH[node.op](lhs, rhs)
-    if isinstance(node, ir.Pow):
-        return _map_of(program, node.base, score, axis, blame) ** node.exponent
-    raise NotStreamable(node.span, detail=f"{type(node).__name__.lower()} inside the normalised scores is not an "
-                        f"element-wise map of one score, so the fusion theorem does not apply")
+def _map_of(program: ir.Program, node: ir.Node, score: ir.Node, axis: str, blame: ir.Node,
+            aggregate: tuple[ir.Reduce, sympy.Symbol] | None = None) -> sympy.Expr:
+    """`node` as sympy in X standing for `score` (and the symbol r standing for `aggregate`, where given); scalar
+    inputs (scale) stay symbols, an axis size is a number or a symbol bound at call time."""
+
+    def leaf(n: ir.Node) -> sympy.Expr | None:
+        if aggregate is not None and n == aggregate[0]:
+            return aggregate[1]
+        inlined = ir.inline(program, n)
+        if aggregate is not None and inlined == aggregate[0]:
+            return aggregate[1]
+        if inlined == score:
+            return X
+        if inlined is not n:  # an intermediate: its definition
+            return _map_of(program, inlined, score, axis, blame, aggregate)
+        if isinstance(n, ir.Load) and not n.axes:
+            return sympy.Symbol(n.tensor, positive=True)
+        if isinstance(n, ir.Const | ir.SizeOf):
+            return None  # the number, or the size
+        raise NotStreamable(n.span, detail=f"{type(n).__name__.lower()} inside the normalised scores is not an "
+                            f"element-wise map of one score, so the fusion theorem does not apply")
+
+    return to_sympy(node, {a.name: a for a in program.axes}, leaf=leaf)
 
 
 def _split_scale(pre: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
@@ -283,15 +279,11 @@ def _split_scale(pre: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
 def _from_normalize(program: ir.Program, d: ir.Definition, norm: ir.Normalize) -> Certificate:
     _, pre = _score(program, norm.arg, norm.over, norm)
     scale, rest = _split_scale(pre)
-    a1 = _lambda(program, norm.a1, X).subs(X, rest)
-    a2 = _lambda(program, norm.a2, X).subs(X, rest)
-    b = _lambda(program, norm.b, Z)
+    axes = {a.name: a for a in program.axes}  # size(...) in a map is the axis size (a number or a size symbol)
+    a1 = lambda_to_sympy(norm.a1, X, axes).subs(X, rest)
+    a2 = lambda_to_sympy(norm.a2, X, axes).subs(X, rest)
+    b = lambda_to_sympy(norm.b, Z, axes)
     return _certificate(program, d, norm.over, a1, a2, b, scale, norm.span, norm)
-
-
-def _lambda(program: ir.Program, fn: ir.Lambda, var: sympy.Symbol) -> sympy.Expr:
-    """A map of the spec as sympy in `var`; size(...) in its body is the axis size (a number or a size symbol)."""
-    return to_sympy(fn.body, {a.name: a for a in program.axes}, {fn.param: var})
 
 
 def _fold_into_scale(a1: sympy.Expr, a2: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
@@ -324,7 +316,7 @@ def _from_expression(program: ir.Program, d: ir.Definition, weights: ir.Node, ax
     scale, _ = _split_scale(pre)
     r = sympy.Symbol("r", positive=True)
     a2 = _map_of(program, aggregate.arg, score, axis, aggregate).subs(X, X / scale)
-    f = _map_with_aggregate(program, weights, score, aggregate, r, axis).subs(X, X / scale)
+    f = _map_of(program, weights, score, axis, aggregate, (aggregate, r)).subs(X, X / scale)
     parts = sympy.separatevars(sympy.factor(f), symbols=[X, r], dict=True, force=True)
     if not parts or (X not in parts and r not in parts):
         raise NotStreamable(weights.span if hasattr(weights, "span") else d.span,
@@ -335,26 +327,6 @@ def _from_expression(program: ir.Program, d: ir.Definition, weights: ir.Node, ax
     b = sympy.simplify(1 / parts.get(r, 1)).subs(r, Z)
     return _certificate(program, d, axis, sympy.simplify(a1), sympy.simplify(a2), b, scale, aggregate.span,
                         weights)
-
-
-def _map_with_aggregate(program: ir.Program, node: ir.Node, score: ir.Node, aggregate: ir.Reduce,
-                        r: sympy.Symbol, axis: str) -> sympy.Expr:
-    if node == aggregate:
-        return r
-    node = ir.inline(program, node)
-    if node == aggregate:
-        return r
-    if isinstance(node, ir.Binary) and not node.boolean:
-        lhs = _map_with_aggregate(program, node.lhs, score, aggregate, r, axis)
-        rhs = _map_with_aggregate(program, node.rhs, score, aggregate, r, axis)
-        return _ARITH[node.op](lhs, rhs)
-    if isinstance(node, ir.Unary):
-        inner = _map_with_aggregate(program, node.arg, score, aggregate, r, axis)
-        return -inner if node.fn == "neg" else to_sympy(ir.Unary(node.fn, ir.Var("_", node.span), (), node.span),
-                                                          variables={"_": inner})
-    if isinstance(node, ir.Pow):
-        return _map_with_aggregate(program, node.base, score, aggregate, r, axis) ** node.exponent
-    return _map_of(program, node, score, axis, aggregate)
 
 
 def _certificate(program: ir.Program, d: ir.Definition, axis: str, a1: sympy.Expr, a2: sympy.Expr,

@@ -5,6 +5,8 @@ Triton code. Only numbers and the function's own parameter reach the printed tex
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import sympy
@@ -12,11 +14,50 @@ from sympy.printing.str import StrPrinter
 
 from . import ir
 
+# The binary operators as values (comparisons are masks, not values: they are leaves of the walk)
+ARITHMETIC: dict[str, Callable[[sympy.Expr, sympy.Expr], sympy.Expr]] = {
+    "+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv, "max": sympy.Max,
+    "min": sympy.Min,
+}
 
-def to_sympy(node: ir.Node, axes: dict[str, ir.Axis] | None = None,
-             variables: dict[str, sympy.Symbol] | None = None) -> sympy.Expr:
-    """A scalar IR expression as sympy (constants, sizes, variables and arithmetic)."""
-    variables = variables or {}
+# What a leaf hook decides: a node's sympy form, or None for the walk's default (a number for a constant, the
+# axis size for size(...), the bound symbol for a variable; any other kind is "not a scalar expression").
+LeafHook = Callable[[ir.Node], sympy.Expr | None]
+
+
+def to_sympy(node: ir.Node, axes: Mapping[str, ir.Axis] | None = None,
+             variables: Mapping[str, sympy.Expr] | None = None, *, leaf: LeafHook | None = None,
+             functions: Mapping[str, Callable[[sympy.Expr], sympy.Expr]] | None = None,
+             arithmetic: Mapping[str, Callable[[sympy.Expr, sympy.Expr], sympy.Expr]] = ARITHMETIC,
+             exponent: Callable[[sympy.Expr], sympy.Expr | int] | None = None) -> sympy.Expr:
+    """A scalar IR expression as sympy: the one walk over the IR's arithmetic that every converter shares.
+
+    The walk knows the operators: negation and the element-wise functions (`functions`, default
+    SYMPY_FUNCTIONS), the binary operators in `arithmetic` (comparisons are not among them), and integer powers
+    (`exponent` maps a power's exponent first, before its base is converted). Every other node is a leaf, handed
+    to `leaf` (loads, variables, sizes, sums, ...), which returns its sympy form, None for the default, or raises
+    the caller's located error. Defaults: constants are exact numbers, size(AXIS) is the axis size from `axes`, a
+    variable is its entry in `variables` or an integer symbol of its name; anything else raises TypeError."""
+    fns = SYMPY_FUNCTIONS if functions is None else functions
+
+    def walk(n: ir.Node) -> sympy.Expr:
+        if isinstance(n, ir.Unary) and (n.fn == "neg" or n.fn in fns):
+            arg = walk(n.arg)
+            return -arg if n.fn == "neg" else fns[n.fn](arg)
+        if isinstance(n, ir.Binary) and not n.boolean and n.op in arithmetic:
+            lhs = walk(n.lhs)
+            return arithmetic[n.op](lhs, walk(n.rhs))
+        if isinstance(n, ir.Pow):
+            power = n.exponent if exponent is None else exponent(n.exponent)
+            return walk(n.base) ** power
+        converted = None if leaf is None else leaf(n)
+        return _default_leaf(n, axes, variables or {}) if converted is None else converted
+
+    return walk(node)
+
+
+def _default_leaf(node: ir.Node, axes: Mapping[str, ir.Axis] | None,
+                  variables: Mapping[str, sympy.Expr]) -> sympy.Expr:
     if isinstance(node, ir.Const):
         value = node.value
         return sympy.Integer(int(value)) if value == int(value) else sympy.Rational(str(value))
@@ -26,20 +67,12 @@ def to_sympy(node: ir.Node, axes: dict[str, ir.Axis] | None = None,
         return axes[node.axis].size
     if isinstance(node, ir.Var):
         return variables.get(node.name) or sympy.Symbol(node.name, integer=True)
-    if isinstance(node, ir.Unary):
-        arg = to_sympy(node.arg, axes, variables)
-        return -arg if node.fn == "neg" else SYMPY_FUNCTIONS[node.fn](arg)
-    if isinstance(node, ir.Binary) and not node.boolean:
-        lhs, rhs = to_sympy(node.lhs, axes, variables), to_sympy(node.rhs, axes, variables)
-        return {"+": lhs + rhs, "-": lhs - rhs, "*": lhs * rhs, "/": lhs / rhs,
-                "max": sympy.Max(lhs, rhs), "min": sympy.Min(lhs, rhs)}[node.op]
-    if isinstance(node, ir.Pow):
-        return to_sympy(node.base, axes, variables) ** node.exponent
     raise TypeError(f"{type(node).__name__} is not a scalar expression")
 
 
-def lambda_to_sympy(fn: ir.Lambda, symbol: sympy.Symbol) -> sympy.Expr:
-    return to_sympy(fn.body, None, {fn.param: symbol})
+def lambda_to_sympy(fn: ir.Lambda, symbol: sympy.Symbol, axes: Mapping[str, ir.Axis] | None = None) -> sympy.Expr:
+    """A spec's scalar map as sympy in `symbol`; size(...) in its body is the axis size where `axes` is given."""
+    return to_sympy(fn.body, axes, {fn.param: symbol})
 
 
 class SignPlus(sympy.Function):

@@ -1,7 +1,7 @@
 """Numerical validation of a compiled spec against the float64 reference evaluation of its own IR.
 
 Fresh random inputs at small odd sizes (not multiples of any block), outputs poisoned with NaN by the
-generated launchers (POISON_OUTPUTS), forward and every input gradient compared two ways: over the whole
+launchers (`ncd.settings.poisoned`), forward and every input gradient compared two ways: over the whole
 tensor, ||out - ref|| / ||ref||, and row by row (each row over the last axis, relative to the larger of its own
 norm and a floor tied to the tensor's RMS row norm), so that an error confined to a few rows or tokens is not
 averaged away. `validate` runs one case (the op's default form, standard normal inputs); `check_op` runs every
@@ -21,6 +21,7 @@ from . import ir
 from .backend import KernelPlan
 from .ops import Op
 from .reference import evaluate
+from .settings import poisoned
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 # Row metric: a row's error is judged against max(its norm, ROW_FLOOR * the RMS row norm) and may reach
@@ -154,7 +155,7 @@ def run_case(op: Op, forms, case: Case, device: str = "cpu", seed: int | None = 
     inputs = forms.draw(case, inputs, generator)
     differentiable = [n for n in inputs if n not in kernel_plan.constant_inputs()]
     leaves = {n: v.detach().requires_grad_(n in differentiable) for n, v in inputs.items()}
-    with forms.switches(target, case), _poisoned(target):
+    with forms.switches(target, case), poisoned():  # an element a kernel forgets to store shows up as NaN
         out = forms.call(target, case, leaves)
         grad_out = torch.randn(out.shape, dtype=torch.float32, generator=generator).to(device=device,
                                                                                       dtype=out.dtype)
@@ -182,28 +183,6 @@ def run_case(op: Op, forms, case: Case, device: str = "cpu", seed: int | None = 
     report.grad_out = grad_out  # type: ignore[attr-defined]
     report.ref_grads = ref_grads  # type: ignore[attr-defined]
     return report
-
-
-class _Switch:
-    """Sets module attributes for the duration of a block and restores them (forms are module switches)."""
-
-    def __init__(self, module: object, values: dict[str, object]):
-        self.module, self.values = module, values
-        self.saved: dict[str, object] = {}
-
-    def __enter__(self) -> None:
-        for key, value in self.values.items():
-            self.saved[key] = getattr(self.module, key)
-            setattr(self.module, key, value)
-
-    def __exit__(self, *exc: object) -> None:
-        for key, value in self.saved.items():
-            setattr(self.module, key, value)
-
-
-def _poisoned(op: Op) -> _Switch:
-    """Outputs filled with NaN before every launch, so an element a kernel forgets to store shows up."""
-    return _Switch(op.module, {"POISON_OUTPUTS": True} if hasattr(op.module, "POISON_OUTPUTS") else {})
 
 
 def _solve_notes(op: Op, report: Report, device: str, seed: int | None) -> list[str]:

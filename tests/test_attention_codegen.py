@@ -11,10 +11,10 @@ import math
 
 import pytest
 import torch
-from ncd.codegen.attention import AttentionKernelSpec, AttentionSpecError, render_attention_module, spec_config
-from ncd.codegen.attention_op import kernel_spec
 
-from ncd.attention import plan_attention
+from ncd.families.attention.plan import plan_attention
+from ncd.families.attention.render import AttentionKernelSpec, AttentionSpecError, render_attention_module, spec_config
+from ncd.families.attention.render_op import kernel_spec
 from ncd.ops import import_generated
 from ncd.pipeline import front_end
 
@@ -141,8 +141,7 @@ def test_forward_and_gradients_match_float64_reference(case, tmp_path, monkeypat
     family, causal, weight, (batch, hq, hkv, n_q, n_k, dim), dtype, noncontig = case
     # the dQ kernel that recomputes S and dP (no stored-dS buffer); DS_CASES test the stored-dS one
     module = load_attention_module(compiled_kernel_spec(family, causal, weight), tmp_path, ds_buffer_bytes=0)
-    assert module.DS_BUFFER_BYTES == 0 and "ds_buffer_bytes=0," in module.__loader__.get_source(module.__name__)
-    module.POISON_OUTPUTS = True
+    assert module.CONFIG.ds_buffer_bytes == 0 and "ds_buffer_bytes=0," in module.__loader__.get_source(module.__name__)
     q, k, v, w = _inputs(batch, hq, hkv, n_q, n_k, dim, dtype, weight, noncontig)
     scale = 1.0 / math.sqrt(dim) * (0.7 if family == "softmax" else 1.0)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -173,10 +172,8 @@ DS_CASES = [  # the backward that stores dS and computes dQ = dS K from it: odd 
 def test_backward_from_stored_ds_matches_float64_reference(case, tma, tmp_path, monkeypatch):
     """Both ways of moving dS: bulk copies (TMA) and pointer loads and stores (GPUs without TMA)."""
     family, causal, weight, (batch, hq, hkv, n_q, n_k, dim), dtype, noncontig = case
-    module = load_attention_module(compiled_kernel_spec(family, causal, weight), tmp_path)
-    module.POISON_OUTPUTS = True
-    monkeypatch.setattr(module, "DS_BUFFER_BYTES", 1 << 20)
-    monkeypatch.setattr(module, "USE_TMA", tma)
+    spec = compiled_kernel_spec(family, causal, weight)
+    module = load_attention_module(spec, tmp_path, ds_buffer_bytes=1 << 20, use_tma=tma)
     kernel = module.KERNELS.bwd_dq_ds_kernel  # this op's autotuner of the static kernel
     # query tiles twice the dK/dV kernel's: dS tiles straddling the diagonal then hold entries it never wrote
     monkeypatch.setitem(kernel.configs[0].kwargs, "BLOCK_M", 32)
@@ -187,16 +184,17 @@ def test_backward_from_stored_ds_matches_float64_reference(case, tma, tmp_path, 
     _assert_matches_float64(family, o, q, k, v, w, scale, causal, 1e-4 if dtype == torch.float32 else 2e-2)
     assert launched == [1], "the backward did not take the stored-dS path"
     row = -(-n_q // 8) * 8  # the rows of the buffer padded for TMA
-    module.DS_BUFFER_BYTES = batch * hq * n_k * row * q.element_size() - 1  # one byte short: recompute
-    o = module.attention(q, k, v, w, scale)
+    short = load_attention_module(spec, tmp_path, ds_buffer_bytes=batch * hq * n_k * row * q.element_size() - 1,
+                                  use_tma=tma)  # one byte short: recompute
+    stored = _count_launches(short.KERNELS.bwd_dq_ds_kernel, monkeypatch)
+    recomputed = _count_launches(short.KERNELS.bwd_dq_kernel, monkeypatch)
+    o = short.attention(q, k, v, w, scale)
     o.backward(torch.randn_like(o))
-    assert launched == [1]
+    assert launched == [1] and stored == [] and recomputed == [1]
 
 
 def test_backward_recomputes_when_the_ds_buffer_cannot_be_allocated(tmp_path, monkeypatch):
-    module = load_attention_module(compiled_kernel_spec("softmax", True, False), tmp_path)
-    module.POISON_OUTPUTS = True
-    monkeypatch.setattr(module, "DS_BUFFER_BYTES", 1 << 20)
+    module = load_attention_module(compiled_kernel_spec("softmax", True, False), tmp_path, ds_buffer_bytes=1 << 20)
     q, k, v, _ = _inputs(1, 2, 1, 21, 19, 16, torch.float32, False, False)
     ds_shape = (2, 19, 24)  # [B * Hq, Nk, Nq rounded up to 8]
 
@@ -247,7 +245,7 @@ def test_rendered_module_is_valid_python_with_origins():
     )
     text = render_attention_module(spec)
     tree = ast.parse(text)
-    # the module holds the spec's device functions only; the kernels are ncd/kernels/attention.py's
+    # the module holds the spec's device functions only; the kernels are ncd/families/attention/kernel.py's
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert functions == {"_a1", "_a2", "_da1", "_da2", "_b", "_db_over_b", "attention"}
     assigned = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
@@ -255,7 +253,8 @@ def test_rendered_module_is_valid_python_with_origins():
     assert {"forward", "backward", "Attention", "CONFIG", "KERNELS"} <= assigned
     imports = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
     assert imports <= {"math", "torch", "triton", "triton.language"}
-    assert {n.module for n in tree.body if isinstance(n, ast.ImportFrom)} == {"ncd.kernels", "ncd.kernels.attention"}
+    assert {n.module for n in tree.body if isinstance(n, ast.ImportFrom)} == {"ncd.families.attention",
+                                                                              "ncd.families.attention.kernel"}
     assert "CAUSAL" not in text and "causal=True,  # spec.ncd:9" in text  # flags enter as constructor arguments
     assert len(text.splitlines()) <= 150
     assert "return x * x  # spec.ncd:7" in text
@@ -285,7 +284,6 @@ def test_heads_fast_grid_order(family, tmp_path):
     module = load_attention_module(compiled_kernel_spec(family, causal=True), tmp_path / "hf")
     for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
         getattr(module.KERNELS, f"{kernel}_kernel").configs[0].kwargs["HEADS_FAST"] = 1
-    module.POISON_OUTPUTS = True
     q, k, v, _ = _inputs(1, 4, 2, 35, 35, 16, torch.float32, False, False)
     o = module.attention(q, k, v, None, 0.25)
     grad_o = torch.randn_like(o)
@@ -315,11 +313,13 @@ FACTORIZED_CASES = [
 ]
 
 
-def load_factorized_module(family, causal, weight, cache_dir):
+def load_factorized_module(family, causal, weight, cache_dir, **config):
+    """The generated module with the factorized form; keyword arguments override fields of its config."""
     front, plan = _front(family, causal, weight)
     assert plan.factorization is not None and plan.factorization.causal == causal
     spec = kernel_spec(family, plan.certificate, plan.roles, plan.maps, front.program, (), True)
-    text = render_attention_module(spec, plan.factorization)
+    config = dataclasses.replace(spec_config(spec, plan.factorization), **config)
+    text = render_attention_module(spec, plan.factorization, config)
     ident = f"kernels_fact_{family}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     return import_generated(ident, lambda: text, cache_dir)[0]
 
@@ -333,9 +333,9 @@ def _fact_id(case):
 @pytest.mark.parametrize("case", FACTORIZED_CASES, ids=[_fact_id(c) for c in FACTORIZED_CASES])
 def test_factorized_forward_and_gradients_match_float64_reference(case, tmp_path):
     family, causal, weight, (batch, hq, hkv, n_q, n_k, dim), chunk, dtype = case
-    module = load_factorized_module(family, causal, weight, tmp_path)
-    module.POISON_OUTPUTS = True  # every output and state buffer starts as NaN
-    module.CHUNK = chunk
+    # every output and state buffer starts as NaN (NCD_POISON_OUTPUTS, tests/conftest.py)
+    module = load_factorized_module(family, causal, weight, tmp_path, chunk=chunk)
+    assert module.KERNELS.chunk == chunk
     q, k, v, w = _inputs(batch, hq, hkv, n_q, n_k, dim, dtype, weight, family == "spherical" and not causal)
     q, k, v = (t.detach() for t in (q, k, v))
     scale = 0.7 / math.sqrt(dim)
@@ -359,7 +359,7 @@ def test_factorized_forward_and_gradients_match_float64_reference(case, tmp_path
 
 
 def test_factorized_module_passes_the_coefficients():
-    """The factorized kernels are static (ncd/kernels/attention_chunked.py); the module passes the coefficients of
+    """The factorized kernels are static (families/attention/kernel_chunked.py); the module passes the coefficients of
     a1, a2 (constexprs there, so the terms of zero coefficients compile away) with their origin."""
     front, plan = _front("spherical", True, True)
     spec = kernel_spec("sph", plan.certificate, plan.roles, plan.maps, front.program, (), True)
@@ -381,21 +381,21 @@ def test_factorized_module_passes_the_coefficients():
 @pytest.mark.parametrize("family", ["softmax", "spherical"])
 def test_pointer_and_tma_paths_agree(family, tmp_path):
     """The kernels read through TMA descriptors where the layout allows and through pointers otherwise
-    (USE_TMA = False, or a base address that is not 16-byte aligned); both compute the same thing."""
-    module = load_attention_module(compiled_kernel_spec(family, causal=True), tmp_path)
-    module.POISON_OUTPUTS = True
+    (config use_tma=False, or a base address that is not 16-byte aligned); both compute the same thing."""
+    spec = compiled_kernel_spec(family, causal=True)
+    modules = {use_tma: load_attention_module(spec, tmp_path, use_tma=use_tma) for use_tma in (True, False)}
     q, k, v, _ = _inputs(1, 4, 2, 35, 35, 16, torch.float32, False, False)
     flat = torch.randn(q.numel() + 1)
     shifted = flat[1:].view(q.shape)  # 4 bytes past an aligned allocation
-    assert module._tma_ok(q, k, v) and not module._tma_ok(shifted, k, v)
+    assert modules[True]._tma_ok(q, k, v) and not modules[True]._tma_ok(shifted, k, v)
+    assert not modules[False]._tma_ok(q, k, v)
     results = []
     for use_tma, q_in in ((True, q), (False, q), (True, shifted.copy_(q.detach()).requires_grad_())):
-        module.USE_TMA = use_tma
+        module = modules[use_tma]
         q_in.grad = k.grad = v.grad = None
         o = module.attention(q_in, k, v, None, 0.25)
         o.backward(torch.ones_like(o))
         results.append([o.detach(), q_in.grad, k.grad, v.grad])
-    module.USE_TMA = True
     for other in results[1:]:
         for got, want in zip(other, results[0], strict=True):
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -403,11 +403,10 @@ def test_pointer_and_tma_paths_agree(family, tmp_path):
 
 @pytest.mark.parametrize("family", ["softmax", "spherical"])
 def test_atomic_dq_backward_matches_float64(family, tmp_path):
-    """DETERMINISTIC_BWD = False: one kernel per key block adds its dQ share into an fp32 accumulator with
+    """deterministic_bwd=False: one kernel per key block adds its dQ share into an fp32 accumulator with
     atomics; causal, grouped heads, per-key weights, ragged sizes."""
     module = load_attention_module(compiled_kernel_spec(family, causal=True, has_weight=True), tmp_path,
                                    deterministic_bwd=False)
-    module.POISON_OUTPUTS = True
     q, k, v, w = _inputs(2, 4, 2, 37, 45, 16, torch.float32, True, False)
     _assert_matches_float64(family, module.attention(q, k, v, w, 0.25), q, k, v, w, 0.25, True, 1e-4)
 
@@ -415,7 +414,7 @@ def test_atomic_dq_backward_matches_float64(family, tmp_path):
 def test_two_ops_share_the_static_kernels_but_not_their_tuning(tmp_path):
     """Two specs with different maps in one process: the same static kernels, each op with its own autotuners
     (whose key holds the op's maps), and each op computes its own maps, interleaved."""
-    from ncd.kernels import attention as kernels
+    from ncd.families.attention import kernel as kernels
 
     spherical = load_attention_module(compiled_kernel_spec("spherical", causal=True), tmp_path / "a")
     signed = load_attention_module(compiled_kernel_spec("signed_l1", causal=True), tmp_path / "b")
@@ -425,7 +424,6 @@ def test_two_ops_share_the_static_kernels_but_not_their_tuning(tmp_path):
         assert {"A1", "A2", "B"} <= set(tuned[0].keys)  # the op's maps are in the tuning key
     q, k, v, _ = _inputs(1, 2, 1, 19, 17, 16, torch.float32, False, False)
     for family, module in (("spherical", spherical), ("signed_l1", signed)):
-        module.POISON_OUTPUTS = True
         q.grad = k.grad = v.grad = None
         _assert_matches_float64(family, module.attention(q, k, v, None, 0.3), q, k, v, None, 0.3, True, 1e-4)
 
@@ -447,7 +445,7 @@ def test_rendered_module_is_ruff_clean_and_imports_what_it_uses():
 
 
 def test_kernels_refuse_an_incomplete_set_of_maps(tmp_path):
-    from ncd.kernels.attention import AttentionConfig, AttentionKernels
+    from ncd.families.attention.kernel import AttentionConfig, AttentionKernels
 
     maps = dict(load_attention_module(spherical_spec(), tmp_path).MAPS)
     with pytest.raises(ValueError, match=r"missing \['B'\]"):

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import ncd
-from ncd.attention import NEAR_SINGULAR
 from ncd.backend import plan
 from ncd.errors import CallError
+from ncd.families.attention.plan import NEAR_SINGULAR
 from ncd.reference import evaluate
 from ncd.streaming import certify
 from ncd.validate import random_inputs, validate
@@ -35,8 +35,7 @@ def test_at_least_five_attention_specs_ship():
 
 @pytest.mark.parametrize("path", ATTENTION_SPECS, ids=lambda p: p.stem)
 def test_spec_forward_and_gradients_match_float64(path, op_cache):
-    op = ncd.load(path, cache_dir=op_cache)
-    op.module.POISON_OUTPUTS = True  # unwritten outputs would surface as NaN
+    op = ncd.load(path, cache_dir=op_cache)  # unwritten outputs surface as NaN (NCD_POISON_OUTPUTS, conftest)
     with raise_float_errors():
         rows = validate(op, torch.float32)
     assert rows[0].quantity == op.front.program.outputs[0].name
@@ -52,7 +51,6 @@ def test_bf16_within_bf16_tolerance(op_cache, stem):
     # Causal spherical is left out on purpose: its first rows normalise by one or two scores, where
     # d(s/|s|) is ill-conditioned and bf16 rounding of the inputs alone moves gradients by ~1e-2.
     op = _load(stem, op_cache)
-    op.module.POISON_OUTPUTS = True
     for row in validate(op, torch.bfloat16):
         assert row.ok and row.error > 0, row
 
@@ -110,7 +108,7 @@ def test_every_tuned_kernel_is_tuned_per_batch_and_heads(op_cache, stem):
     import triton
 
     module = _load(stem, op_cache).module
-    # the op's autotuners of the static kernels (ncd/kernels/attention*.py)
+    # the op's autotuners of the static kernels (ncd/families/attention/kernel*.py)
     tuned = {name: obj for name, obj in vars(module.KERNELS).items() if isinstance(obj, triton.runtime.Autotuner)}
     assert any(name.endswith("bwd_dq_kernel") for name in tuned) and any("fact_" in name for name in tuned)
     for name, kernel in tuned.items():
@@ -154,7 +152,7 @@ def test_eager_calls_skip_the_custom_ops(op_cache, monkeypatch, stem, form):
 
     op = _load(stem, op_cache)
     if form is not None:
-        monkeypatch.setattr(op.module, "FACTORIZE", form)
+        op = op.with_config(factorize=form)
     q, k, v = _qkv(n=21, m=21, requires_grad=True)
     expected = op(q, k, v)
     expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
@@ -309,12 +307,7 @@ def test_factorized_form_matches_float64(source, tmp_path, op_cache):
     else:
         op = _load(source, op_cache)
     assert "factorized form" in "\n".join(plan(op.front).describe())
-    op.module.FACTORIZE = "always"
-    op.module.POISON_OUTPUTS = True
-    try:
-        rows = validate(op, torch.float32)
-    finally:
-        op.module.FACTORIZE = "auto"
+    rows = validate(op.with_config(factorize="always"), torch.float32)
     assert {r.quantity for r in rows} == {"O", "dQ", "dK", "dV"} and all(r.ok for r in rows), rows
 
 
@@ -352,10 +345,8 @@ def test_heads_wider_than_128_take_the_streamed_form(tmp_path, op_cache, run_cli
     op = ncd.load(path, cache_dir=op_cache)
     assert not op.module._use_factorized(65536, 65536, 256) and op.module._use_factorized(65536, 65536, 128)
     q, k, v = _qkv(n=5, m=5, d=256)
-    op.module.FACTORIZE = "always"
     with pytest.raises(ValueError, match="the factorized form runs head dims up to 128"):
-        op(q, k, v)
-    op.module.FACTORIZE = "auto"
+        op.with_config(factorize="always")(q, k, v)
     torch.testing.assert_close(op(q, k, v), op.module.forward(q, k, v)[0])
 
 
@@ -365,13 +356,8 @@ def test_factorized_op_registration_and_compile(op_cache):
     forward = getattr(op.module, f"{op.module.NAME}_factorized_forward")
     torch.library.opcheck(forward, (q.detach(), k.detach(), v.detach(), None, 1.0),
                           test_utils=("test_schema", "test_faketensor"))
-    op.module.FACTORIZE = "always"
-    try:
-        eager = _assert_compiled_matches_eager(op, q, k, v)
-        op.module.FACTORIZE = "never"
-        torch.testing.assert_close(op(q, k, v), eager, rtol=1e-4, atol=1e-5)
-    finally:
-        op.module.FACTORIZE = "auto"
+    eager = _assert_compiled_matches_eager(op.with_config(factorize="always"), q, k, v)
+    torch.testing.assert_close(op.with_config(factorize="never")(q, k, v), eager, rtol=1e-4, atol=1e-5)
 
 
 def test_ds_buffer_setting_is_validated_and_reaches_the_op(monkeypatch, tmp_path):
@@ -385,7 +371,7 @@ def test_ds_buffer_setting_is_validated_and_reaches_the_op(monkeypatch, tmp_path
     monkeypatch.setenv("NCD_ATTENTION_DS_BUFFER_BYTES", "12345")
     assert Settings.from_env().attention_ds_buffer_bytes == 12345
     spec = next(p for p in SPECS if p.stem == "sigmoid_attention")
-    code = f"import ncd; print(ncd.load({str(spec)!r}, cache_dir={str(tmp_path)!r}).module.DS_BUFFER_BYTES)"
+    code = f"import ncd; print(ncd.load({str(spec)!r}, cache_dir={str(tmp_path)!r}).config.ds_buffer_bytes)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "12345", out.stderr[-2000:]
 
@@ -401,9 +387,8 @@ def test_user_normaliser_singular_at_zero_runs_clean(tmp_path, op_cache, form):
                     "A[batch head query key] = normalize(S, over key, a1(x) = x, a2(x) = x^2, b(z) = sqrt(z) * z,\n"
                     "                                    mask = key <= query)\n"
                     "out O[batch head query dim] = A . V over key\n")
-    op = ncd.load(path, cache_dir=op_cache)
+    op = ncd.load(path, cache_dir=op_cache, config={"factorize": form})
     assert "tl.log(z)" in op.path.read_text()
-    op.module.FACTORIZE, op.module.POISON_OUTPUTS = form, True
     with raise_float_errors():
         rows = validate(op, torch.float32)
     assert all(row.ok for row in rows), rows
@@ -416,12 +401,12 @@ def test_kernel_head_dims():
                                                                                256]
 
 
-# (spec, head dim, form, module settings): fp32 rows of 24, 8 and 40 floats are 16-byte aligned, so those go through
+# (spec, head dim, form, config fields): fp32 rows of 24, 8 and 40 floats are 16-byte aligned, so those go through
 # TMA descriptors whose tile is wider than the tensor; 5 and 12 floats are not, so pointer loads with masked columns
 _ODD_DIMS = [("softmax_attention", 24, "never", {}),
-             ("causal_spherical_attention", 8, "never", {"USE_TMA": False}),
-             ("causal_spherical_attention", 5, "never", {"DS_BUFFER_BYTES": 0}),  # dQ recomputes S and dP
-             ("sigmoid_attention", 12, "never", {"DETERMINISTIC_BWD": False}),  # fused backward, atomic dQ
+             ("causal_spherical_attention", 8, "never", {"use_tma": False}),
+             ("causal_spherical_attention", 5, "never", {"ds_buffer_bytes": 0}),  # dQ recomputes S and dP
+             ("sigmoid_attention", 12, "never", {"deterministic_bwd": False}),  # fused backward, atomic dQ
              ("causal_spherical_attention", 40, "always", {})]
 
 
@@ -433,12 +418,7 @@ def test_head_dims_that_are_not_powers_of_two(tmp_path, op_cache, stem, dim, for
     assert "axis dim = 128" in text
     path = tmp_path / f"{stem}_{dim}.ncd"
     path.write_text(text.replace("axis dim = 128", f"axis dim = {dim}").replace(f"spec {stem}", f"spec {stem}_{dim}"))
-    op = ncd.load(path, cache_dir=op_cache)
-    if hasattr(op.module, "FACTORIZE"):
-        op.module.FACTORIZE = form
-    op.module.POISON_OUTPUTS = True
-    for name, value in settings.items():
-        setattr(op.module, name, value)
+    op = ncd.load(path, cache_dir=op_cache, config={"factorize": form, **settings})
     with raise_float_errors():
         rows = validate(op, torch.float32)
     assert all(row.ok for row in rows), rows

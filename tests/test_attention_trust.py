@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import ncd
-from ncd.backend import plan
+from ncd.backend import FallbackWarning, plan, select
 from ncd.errors import CallError, NcdError
+from ncd.families.attention.plan import plan_attention
 from ncd.reference import evaluate
 from ncd.streaming import X
 
@@ -42,9 +43,7 @@ def _spec(tmp_path, name, a1, a2=None, b="z", score="scale * (Q . K over dim)",
 
 
 def _load(path, cache):
-    op = ncd.load(path, cache_dir=cache)
-    op.module.POISON_OUTPUTS = True  # anything the kernels leave unwritten surfaces as NaN
-    return op
+    return ncd.load(path, cache_dir=cache)  # unwritten outputs surface as NaN: NCD_POISON_OUTPUTS (conftest)
 
 
 def _rel(value, ref):
@@ -169,7 +168,7 @@ def test_masked_rows_are_zero_with_zero_gradients(tmp_path, op_cache, monkeypatc
     op = _load(_spec(tmp_path, f"masked_{'causal' if causal else 'full'}", a1, a2, b, extra=WEIGHTED,
                      options=f"{mask}, weight = M", score="Q . K over dim"), op_cache)
     if form == "factorized":
-        monkeypatch.setattr(op.module, "FACTORIZE", "always")
+        op = op.with_config(factorize="always")
     generator = torch.Generator().manual_seed(3)
     inputs = _masked_case(generator)
     if not causal:
@@ -208,8 +207,7 @@ def _gqa_inputs(generator, n=9, d=128):
 @pytest.mark.parametrize("form", ["never", "always"])
 def test_weight_that_requires_grad_gets_its_gradient(op_cache, monkeypatch, form):
     """specs/causal_gqa_spherical.ncd: M.grad used to stay None. Streamed and factorized forms."""
-    op = _shipped("causal_gqa_spherical", op_cache)
-    monkeypatch.setattr(op.module, "FACTORIZE", form)
+    op = _shipped("causal_gqa_spherical", op_cache).with_config(factorize=form)
     generator = torch.Generator().manual_seed(5)
     inputs = dict(zip("QKVM", _gqa_inputs(generator), strict=True))
     grad_out = torch.randn(1, 4, 9, 128, generator=generator)
@@ -246,8 +244,8 @@ def test_weight_gradient_with_exponential_and_bounded_maps(tmp_path, op_cache, a
 ])
 def test_scale_tensor_that_requires_grad_gets_its_gradient(tmp_path, op_cache, monkeypatch, score, a1, a2, b, form):
     op = _load(_spec(tmp_path, "grad_scale", a1, a2, b, score=score, extra="in  scale : f32\n"), op_cache)
-    if hasattr(op.module, "FACTORIZE"):
-        monkeypatch.setattr(op.module, "FACTORIZE", form)
+    if op.config.factorized:
+        op = op.with_config(factorize=form)
     elif form == "always":
         pytest.fail("the polynomial maps must have a factorized form")
     generator = torch.Generator().manual_seed(6)
@@ -275,8 +273,7 @@ def test_scale_tensor_under_a_function_must_be_detached(tmp_path, op_cache):
 
 @pytest.mark.parametrize("factorize", ["never", "always"])
 def test_double_backward_raises(op_cache, monkeypatch, factorize):
-    op = _shipped("spherical_attention", op_cache)
-    monkeypatch.setattr(op.module, "FACTORIZE", factorize)
+    op = _shipped("spherical_attention", op_cache).with_config(factorize=factorize)
     generator = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, 7, 128, generator=generator, requires_grad=True) for _ in range(3))
     out = op(q, k, v)
@@ -359,7 +356,12 @@ def test_scale_of_the_wrong_shape_is_named(op_cache, bad):
 
 
 def test_size_in_the_normaliser_is_a_located_error(tmp_path):
+    """Attention cannot stream a normaliser that reads the key count: it says where, and the spec falls through
+    to the generic family (which computes it as written)."""
     path = _spec(tmp_path, "size_in_b", "x", "x^2", "sqrt(z / size(key))", score="Q . K over dim", extra="")
+    front = ncd.load_spec(path)
     with pytest.raises(NcdError) as err:
-        plan(ncd.load_spec(path))
+        plan_attention(front, {})
     assert "size_in_b.ncd:11:27" in str(err.value) and "reads key" in str(err.value)
+    with pytest.warns(FallbackWarning, match="attention: size_in_b.ncd:11:27"):
+        assert select(front).family.name == "generic"

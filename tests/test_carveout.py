@@ -1,11 +1,11 @@
-"""The L1 / shared-memory split given to kernels that spill (ncd/carveout.py), without a GPU: the arithmetic, and
-which kernels reach the driver, through a stand-in driver."""
+"""The L1 / shared-memory split given to kernels that spill (families/recurrence/carveout.py), without a GPU: the
+arithmetic, and which kernels reach the driver, through a stand-in driver."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from ncd import carveout
+from ncd.families.recurrence import carveout
 
 H100_SHARED = 233472  # bytes of shared memory per SM at the largest carveout (228 KB)
 

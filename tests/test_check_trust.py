@@ -63,13 +63,14 @@ def _assert_caught(clean: Op, sabotaged: Op, form: str, draw: str, dtype: torch.
 def test_factorized_attention_off_by_two_percent(tmp_path, monkeypatch):
     op = _load("spherical_attention", tmp_path, dim=16)
     assert all(r.ok for r in _run(op, "factorized", "normal"))
-    forward_factorized = op.module.forward_factorized
+    factorized = op.with_config(factorize="always").module  # the op `ncd check` runs the factorized form on
+    forward_factorized = factorized.forward_factorized
 
     def two_percent_off(*args, **kwargs):
         o, stats = forward_factorized(*args, **kwargs)
         return o * 1.02, stats
 
-    monkeypatch.setattr(op.module, "forward_factorized", two_percent_off)
+    monkeypatch.setattr(factorized, "forward_factorized", two_percent_off)
     assert all(r.ok for r in validate(op))  # the old check ran the default (streamed) form only
     assert not all(r.ok for r in _run(op, "factorized", "normal"))
 
@@ -92,12 +93,13 @@ def test_multiplicity_zero_treated_as_one(tmp_path, monkeypatch):
     draw = "zeros"  # zero multiplicities (the "masked" draw catches it as well)
     clean = _load("causal_gqa_spherical", tmp_path, dim=16)
     assert all(r.ok for r in _run(clean, "streamed", draw))
-    forward = clean.module.forward
+    streamed = clean.with_config(factorize="never").module  # the op `ncd check` runs the streamed form on
+    forward = streamed.forward
 
     def zero_as_one(q, k, v, w, scale, *rest, **kw):
         return forward(q, k, v, torch.where(w == 0, 1.0, w) if w is not None else w, scale, *rest, **kw)
 
-    monkeypatch.setattr(clean.module, "forward", zero_as_one)
+    monkeypatch.setattr(streamed, "forward", zero_as_one)
     assert all(r.ok for r in validate(clean))  # multiplicities drawn in [0.5, 2): never 0
     assert not all(r.ok for r in _run(clean, "streamed", draw))
 

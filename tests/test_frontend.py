@@ -164,7 +164,7 @@ def test_cli_writes_stages_to_directory(run_cli, tmp_path):
 def test_cli_check_says_what_it_checks(run_cli):
     spec = next(p for p in SPECS if p.stem == "gka")
     code, out, _ = run_cli("check", str(spec))
-    assert code == 0
+    assert code == 0, out
     assert "spec gka" in out and "ok   axes" in out and "ok   numerics" in out and "FAIL" not in out
 
 

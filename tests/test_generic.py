@@ -337,3 +337,45 @@ def test_large_draws_stay_where_the_true_result_fits_fp32(tmp_path):
     spec.write_text("spec expo\naxis row, dim\nin x[row dim] : f32\nout y[row dim] = exp(x)\n")
     results = check_op(load(spec, tmp_path), (torch.float32,), "cpu", seed=1, only=lambda c: c.draw == "large")
     assert len(results) == 1 and _failures(results) == []
+
+
+LINEAR_RNN = """spec linear_rnn
+axis batch, time, head
+axis kdim = 6
+axis vdim = 5
+in  q[batch time head kdim] : f32
+in  k[batch time head kdim] : f32
+in  v[batch time head vdim] : f32
+in  g[batch time head] : f32
+S[batch time head vdim kdim] = scan(exp(g) * prev + v * k, over time)
+out o[batch time head vdim] = S . q over kdim
+"""
+
+
+def test_a_scan_the_recurrence_family_cannot_compile_falls_back_to_generic(tmp_path, run_cli):
+    """A gated linear RNN read out by the query: the recurrence family recognises the scan but not the GKA read-out,
+    so it declines with its location and the generic family compiles the spec; `ncd check` validates it."""
+    spec = tmp_path / "linear_rnn.ncd"
+    spec.write_text(LINEAR_RNN)
+    code, out, err = run_cli("compile", str(spec), "--emit", "plan")
+    assert code == 0, err
+    assert out.startswith("family: generic")
+    assert "declined by recurrence: linear_rnn.ncd:10:31: recognised, but: expected the query side" in out
+    assert "ncd: note: recurrence: linear_rnn.ncd:10:31:" in err
+    code, out, err = run_cli("check", str(spec))
+    assert code == 0, out + err
+    assert "ok   numerics" in out and "dg" in out
+
+
+def test_generic_failing_too_reports_the_specialised_familys_error(tmp_path):
+    """Where the generic family cannot compile the spec either, the error is the first specialised family's: the
+    one that recognised the spec says what to change for the fast path."""
+    from ncd.errors import NcdError
+
+    text = LINEAR_RNN.replace("out o[batch time head vdim] = S . q over kdim",
+                              "T[batch time head vdim] = sum(S, over kdim)\n"
+                              "out o[batch time head vdim] = scan(prev + sum(T, over time), over time)")
+    front = front_end(text, str(tmp_path / "nested.ncd"))
+    with pytest.raises(NcdError) as err:
+        plan(front)
+    assert err.value.code in {"unsupported", "not-streamable"}, err.value.render()

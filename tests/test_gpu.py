@@ -26,8 +26,8 @@ def _row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def test_gka_fp32_inputs_at_head_size_128_run_with_fp32_products():
     """fp32 inputs take fp32-class products by default (issue 30, item 9); at K = V = 128 their tiles must fit the
     device, and every token must be close to the float64 recurrence, not only the whole tensor."""
+    from ncd.families.recurrence.reference import naive_gka
     from ncd.ops import chunk_gka
-    from ncd.recurrence_reference import naive_gka
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, t, h, d = 1, 150, 2, 128

@@ -161,7 +161,8 @@ def test_bad_argument_descriptions_are_refused():
                  fake=lambda x, n: (x,), backward=lambda *a: (None,))
 
 
-PLANNER = ("ncd.attention", "ncd.polykan", "ncd.rational", "ncd.recurrence", "ncd.backend")
+PLANNER = ("ncd.families.attention.plan", "ncd.families.polykan.plan", "ncd.families.rational.plan",
+           "ncd.families.recurrence.plan", "ncd.backend")
 
 
 def test_the_runtime_loads_no_planner_module():
@@ -169,20 +170,21 @@ def test_the_runtime_loads_no_planner_module():
     import subprocess
     import sys
 
-    code = ("import sys; import ncd.op_runtime.attention, ncd.op_runtime.recurrence, ncd.op_runtime.polykan, "
-            "ncd.op_runtime.rational; print(' '.join(sorted(m for m in sys.modules if m.startswith('ncd'))))")
+    code = ("import sys; import ncd.families.attention.runtime, ncd.families.recurrence.runtime, "
+            "ncd.families.polykan.runtime, ncd.families.rational.runtime; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('ncd'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert "ncd.op_runtime.recurrence" in loaded
+    assert "ncd.families.recurrence.runtime" in loaded
     assert not [m for m in loaded if m in PLANNER], loaded
 
 
 def test_op_templates_import_only_the_runtime():
-    """Every import line of the op templates names the runtime, ncd.errors, ncd.kernels or math, never a planner."""
+    """Every import line of the op templates names a runtime, ncd.errors, kernels or math, never a planner."""
     import re
     from importlib import resources
 
-    allowed = re.compile(r"(import|from) (ncd\.op_runtime(\.\w+)?|ncd\.runtime|ncd\.errors|ncd\.kernels(\.\w+)?"
-                         r"|math)\b")
+    allowed = re.compile(r"(import|from) (ncd\.op_runtime|ncd\.families\.\w+\.(runtime|kernel\w*)|ncd\.runtime|"
+                         r"ncd\.errors|math)\b")
     for family in ("attention", "recurrence", "polykan", "rational"):
         text = resources.files("ncd.templates").joinpath(f"{family}_op.py.jinja").read_text()
         imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]

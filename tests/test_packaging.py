@@ -69,8 +69,8 @@ def test_compile_absolute_path_from_any_directory(installed):
 def test_package_data_comes_from_the_install(installed):
     bindir, workdir = installed
     code = (
-        "import ncd, ncd.grammar, ncd.templates, ncd.codegen, ncd.specs, ncd.polykan, pathlib; "
-        "assert 'T[n+1]' in ncd.polykan.SPECS['chebyshev']; "
+        "import ncd, ncd.grammar, ncd.templates, ncd.codegen, ncd.specs, ncd.families.polykan.plan, pathlib; "
+        "assert 'T[n+1]' in ncd.families.polykan.plan.SPECS['chebyshev']; "
         "print(ncd.__file__); print(len(ncd.grammar.grammar_text())); "
         "print(sorted(p.name for p in pathlib.Path(ncd.templates.__file__).parent.glob('*.jinja')))"
     )

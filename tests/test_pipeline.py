@@ -4,6 +4,8 @@ that changes the generated text."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import ncd.backend
@@ -93,3 +95,21 @@ def test_op_id_changes_with_bindings_and_generating_settings(monkeypatch):
     monkeypatch.setenv("NCD_DEBUG", "1")  # steers the compiler's process only
     monkeypatch.delenv("NCD_GKA_DOT_PRECISION")
     assert ncd.backend.op_id(front) == plain
+
+
+def test_planning_imports_no_kernel_module():
+    """Planning every shipped spec loads neither Triton nor a kernel module: `@triton.jit` reads TRITON_INTERPRET
+    when a kernel module is imported, so `ncd check` decides CPU interpreter or GPU after planning, and a kernel
+    loaded by a planner would stay compiled-only (an `ncd check` on the CPU failed that way)."""
+    import subprocess
+    import sys
+
+    code = ("import pathlib, sys\n"
+            "from ncd.compiler import compile_front\nfrom ncd.pipeline import front_end\n"
+            "for p in sorted(pathlib.Path('specs').glob('*.ncd')):\n"
+            "    compile_front(front_end(p.read_text(), str(p)), until='plan')\n"
+            "print(' '.join(m for m in sys.modules if m == 'triton' or '.kernel' in m))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == []

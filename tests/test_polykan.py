@@ -2,7 +2,7 @@
 
 References are float64 eager PyTorch written here from the textbook recurrences (independent of the spec's IR
 and of ncd's reference evaluator), with autograd. Fresh random inputs at odd sizes; outputs and split-K partial
-buffers poisoned with NaN (the generated modules' POISON_OUTPUTS). Errors are ||out - ref|| / ||ref||.
+buffers poisoned with NaN (NCD_POISON_OUTPUTS, tests/conftest.py). Errors are ||out - ref|| / ||ref||.
 
 Tolerances: 1e-4 for every quantity. The tables are sized for a basis max relative error of 2.5e-5 (values
 and derivatives, normalised by max |P_d|); the norm-wise errors measured here are 1e-5 .. 3e-5. The exact
@@ -12,18 +12,25 @@ recurrence mode is near fp32 rounding (1e-7 .. 2e-6).
 from __future__ import annotations
 
 import ast
-import contextlib
 
 import numpy as np
 import pytest
 import torch
 
 import ncd
-from ncd.backend import find_plan, op_id
-from ncd.basis_lut import Recurrence, choose_table
+from ncd.backend import FallbackWarning, find_plan, op_id, select
 from ncd.errors import NcdError, SizeMismatch, UnknownAxis
+from ncd.families.polykan.basis_lut import Recurrence, choose_table
+from ncd.families.polykan.plan import (
+    SPEC_FILES,
+    SPECS,
+    ChebyKANLayer,
+    PolyKANLayer,
+    UnsupportedPolyKAN,
+    plan_polykan,
+    spec_path,
+)
 from ncd.pipeline import front_end, load_spec
-from ncd.polykan import SPEC_FILES, SPECS, ChebyKANLayer, PolyKANLayer, UnsupportedPolyKAN, plan_polykan, spec_path
 from ncd.validate import validate
 
 from .conftest import ROOT, raise_float_errors
@@ -55,52 +62,39 @@ def _cache(op_cache, monkeypatch):
     monkeypatch.setenv("NCD_CACHE_DIR", str(op_cache))
 
 
-def _poisoned(op):
-    op.module.POISON_OUTPUTS = True
-    return op
-
-
-@contextlib.contextmanager
-def _regime(op, regime):
-    """Force the fused or the gemm regime for this op (plans are cached per size: cleared around it)."""
-    module = op.module
-    module.FORCE_REGIME = regime
-    module._PLANS.clear()
-    try:
-        yield module
-    finally:
-        module.FORCE_REGIME = None
-        module._PLANS.clear()
+def _in_regime(op, regime):
+    """The op compiled with the fused or the gemm regime at every size (its config's `regime`); None: as it is."""
+    return op if regime is None else op.with_config(regime=regime)
 
 
 def _check_layer(basis: str, degree: int, basis_eval: str, sizes=(23, 37, 19), scale: float = 1.5,
                  regime: str | None = None, matmul: str = "tf32x3", tol: float = TOL) -> None:
     b, i, o = sizes
     if matmul == "tf32x3":
-        op = _poisoned(ncd.polykan.basis_op(basis, degree, basis_eval))
+        op = ncd.families.polykan.plan.basis_op(basis, degree, basis_eval)
     else:
-        op = _poisoned(ncd.load(spec_path(basis), sizes={"deg": degree + 1},
-                                options={"basis_eval": basis_eval, "matmul": matmul}))
+        op = ncd.load(spec_path(basis), sizes={"deg": degree + 1}, options={"basis_eval": basis_eval, "matmul": matmul})
     x = (torch.randn(b, i, dtype=torch.float64) * scale)
     c = torch.randn(i, o, degree + 1, dtype=torch.float64) / (i * (degree + 1)) ** 0.5
-    with _regime(op, regime) as module:
-        # the coefficients stored in the kernel layout [deg, in, out] behind the spec-shaped view (direct path)
-        xf, cf = x.float().requires_grad_(True), c.float().permute(2, 0, 1).contiguous().permute(1, 2, 0)
-        cf.requires_grad_(True)
-        y = op(xf, cf)
-        gy = torch.randn_like(y)
-        dx, dc = torch.autograd.grad(y, [xf, cf], gy)
-        assert dc.stride() == cf.stride()
-        plans = list(module._PLANS.values())
-        assert plans and all(p.til.regime == (regime or "fused") for p in plans)
-        if regime != "gemm":  # the test sizes take every two-stage path: split forward, dX and dC partials
-            til = plans[0].til
-            assert til.fwd_split > 1 and til.bwd_tiles_o > 1 and til.bwd_chunks > 1, til
-        # every counter was reset by the program that combined its tile
-        assert all(int(cnt.abs().sum()) == 0 for _, cnt in module._BUFFERS.values())
-        # deterministic: the same call again gives the same bits
-        y2 = op(xf, cf)
-        assert torch.equal(y, y2)
+    op = _in_regime(op, regime)
+    module = op.module
+    # the coefficients stored in the kernel layout [deg, in, out] behind the spec-shaped view (direct path)
+    xf, cf = x.float().requires_grad_(True), c.float().permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    cf.requires_grad_(True)
+    y = op(xf, cf)
+    gy = torch.randn_like(y)
+    dx, dc = torch.autograd.grad(y, [xf, cf], gy)
+    assert dc.stride() == cf.stride()
+    plans = list(module._PLANS.values())
+    assert plans and all(p.til.regime == (regime or "fused") for p in plans)
+    if regime != "gemm":  # the test sizes take every two-stage path: split forward, dX and dC partials
+        til = plans[0].til
+        assert til.fwd_split > 1 and til.bwd_tiles_o > 1 and til.bwd_chunks > 1, til
+    # every counter was reset by the program that combined its tile
+    assert all(int(cnt.abs().sum()) == 0 for _, cnt in module._BUFFERS.values())
+    # deterministic: the same call again gives the same bits
+    y2 = op(xf, cf)
+    assert torch.equal(y, y2)
     xd, cd = x.clone().requires_grad_(True), c.clone().requires_grad_(True)
     yr = torch.einsum("bid,iod->bo", basis_ref(torch.tanh(xd), degree, basis), cd)
     dxr, dcr = torch.autograd.grad(yr, [xd, cd], gy.double())
@@ -133,24 +127,19 @@ def test_gemm_regime(basis, degree, basis_eval):
 def test_lut_forward_group_evaluation():
     """The LUT forward evaluates the table inside the kernel: the members' degree shares cover Phi and dPhi
     (fallback off), and members that do not wait evaluate everything themselves (same bits)."""
-    op = _poisoned(ncd.polykan.basis_op("hermite", 8, "lut"))
+    op = _in_regime(ncd.families.polykan.plan.basis_op("hermite", 8, "lut"), "fused")
     x = torch.randn(23, 37)
     c = torch.randn(9, 37, 19) / 37  # kernel layout [deg, in, out]
-    with _regime(op, "fused") as module:
-        y, (phi, dphi) = module.forward_impl(x, c, 19, True, True)
-        assert module._PLANS[next(iter(module._PLANS))].til.fwd_tiles_n > 1
-        spins, fallback = module.LUT_WAIT_SPINS, module.LUT_FALLBACK
-        try:
-            module.LUT_FALLBACK = False  # shares only (the interpreter's early members stop waiting at once)
-            module._PLANS.clear()
-            _, (phi2, dphi2) = module.forward_impl(x, c, 19, True, True)
-            assert torch.equal(phi2, phi) and torch.equal(dphi2, dphi)
-            module.LUT_FALLBACK, module.LUT_WAIT_SPINS = True, 0  # nobody waits: everyone evaluates everything
-            module._PLANS.clear()
-            y3, (phi3, _) = module.forward_impl(x, c, 19, True, True)
-            assert torch.equal(y3, y) and torch.equal(phi3, phi)
-        finally:
-            module.LUT_WAIT_SPINS, module.LUT_FALLBACK = spins, fallback
+    y, (phi, dphi) = op.module.forward_impl(x, c, 19, True, True)
+    assert op.module._PLANS[next(iter(op.module._PLANS))].til.fwd_tiles_n > 1
+    # shares only (the interpreter's early members stop waiting at once)
+    shares = op.with_config(lut_fallback=False)
+    _, (phi2, dphi2) = shares.module.forward_impl(x, c, 19, True, True)
+    assert torch.equal(phi2, phi) and torch.equal(dphi2, dphi)
+    everyone = op.with_config(lut_wait_spins=0)  # nobody waits: everyone evaluates everything
+    y3, (phi3, _) = everyone.module.forward_impl(x, c, 19, True, True)
+    assert torch.equal(y3, y) and torch.equal(phi3, phi)
+    assert {shares.config.regime, everyone.config.regime} == {"fused"}  # the overrides add up
 
 
 @pytest.mark.parametrize("regime", ["fused", "gemm"])
@@ -163,39 +152,40 @@ def test_bf16x3_parts(regime):
 @pytest.mark.parametrize("basis_eval", ["lut", "recurrence"])
 def test_one_gradient_and_no_grad(regime, basis_eval):
     """Only dX, only dC, and the no-grad forward; the compile-path entry points (forward / backward)."""
-    op = _poisoned(ncd.polykan.basis_op("legendre", 8, basis_eval))
+    op = ncd.families.polykan.plan.basis_op("legendre", 8, basis_eval)
     x = torch.randn(17, 21, dtype=torch.float64)
     c = torch.randn(21, 13, 9, dtype=torch.float64) / 21
     xd, cd = x.clone().requires_grad_(True), c.clone().requires_grad_(True)
     yr = torch.einsum("bid,iod->bo", basis_ref(torch.tanh(xd), 8, "legendre"), cd)
     gy = torch.randn_like(yr)
     dxr, dcr = torch.autograd.grad(yr, [xd, cd], gy)
-    with _regime(op, regime) as module:
-        with torch.no_grad():
-            assert rel(op(x.float(), c.float()), yr) < TOL
-        xf = x.float().requires_grad_(True)
-        (dx,) = torch.autograd.grad(op(xf, c.float()), [xf], gy.float())
-        assert rel(dx, dxr) < TOL
-        cf = c.float().requires_grad_(True)
-        (dc,) = torch.autograd.grad(op(x.float(), cf), [cf], gy.float())
-        assert rel(dc, dcr) < TOL
-        ck = c.float().permute(2, 0, 1).contiguous()
-        assert rel(module.forward(x.float(), ck), yr) < TOL
-        dxk, dck = module.backward(gy.float(), x.float(), ck)
-        assert rel(dxk, dxr) < TOL and rel(dck.permute(1, 2, 0), dcr) < TOL
+    op = _in_regime(op, regime)
+    module = op.module
+    with torch.no_grad():
+        assert rel(op(x.float(), c.float()), yr) < TOL
+    xf = x.float().requires_grad_(True)
+    (dx,) = torch.autograd.grad(op(xf, c.float()), [xf], gy.float())
+    assert rel(dx, dxr) < TOL
+    cf = c.float().requires_grad_(True)
+    (dc,) = torch.autograd.grad(op(x.float(), cf), [cf], gy.float())
+    assert rel(dc, dcr) < TOL
+    ck = c.float().permute(2, 0, 1).contiguous()
+    assert rel(module.forward(x.float(), ck), yr) < TOL
+    dxk, dck = module.backward(gy.float(), x.float(), ck)
+    assert rel(dxk, dxr) < TOL and rel(dck.permute(1, 2, 0), dcr) < TOL
 
 
 @pytest.mark.parametrize("regime", ["fused", "gemm"])
 @pytest.mark.parametrize("basis_eval", ["lut", "recurrence"])
 def test_saturated_inputs_give_finite_gradients(basis_eval, regime):
-    op = _poisoned(ncd.polykan.basis_op("chebyshev", 8, basis_eval))
+    op = ncd.families.polykan.plan.basis_op("chebyshev", 8, basis_eval)
     x = torch.where(torch.rand(9, 13) < 0.5, -1.0, 1.0) * (10 + 20 * torch.rand(9, 13))
     x[0, 0] = 1e30
     x.requires_grad_(True)
     c = torch.randn(13, 11, 9, requires_grad=True)
-    with _regime(op, regime):
-        y = op(x, c)
-        dx, dc = torch.autograd.grad(y, [x, c], torch.randn_like(y))
+    op = _in_regime(op, regime)
+    y = op(x, c)
+    dx, dc = torch.autograd.grad(y, [x, c], torch.randn_like(y))
     assert torch.isfinite(y).all() and torch.isfinite(dx).all() and torch.isfinite(dc).all()
     # at u = +-1 the basis is exact: T_d(1) = 1, T_d(-1) = (-1)^d
     signs = torch.sign(x.detach())
@@ -206,7 +196,7 @@ def test_saturated_inputs_give_finite_gradients(basis_eval, regime):
 @pytest.mark.parametrize("path", [ROOT / "specs" / f for f in SPEC_FILES.values()], ids=lambda p: p.name)
 def test_validate_rows_for_shipped_specs(path):
     with raise_float_errors():
-        rows = validate(_poisoned(ncd.load(path)))
+        rows = validate(ncd.load(path))
     assert [r.quantity for r in rows] == ["y", "dx", "dC"]
     assert all(r.ok for r in rows), rows
 
@@ -251,10 +241,11 @@ def test_derivative_recurrence_is_derived():
 
 
 def test_generated_module_origins_and_flags():
-    op = ncd.polykan.basis_op("legendre", 8)
+    op = ncd.families.polykan.plan.basis_op("legendre", 8)
     text = op.path.read_text()
     ast.parse(text)
-    assert "# legendre_kan.ncd:" in text and "POISON_OUTPUTS = False" in text
+    assert "# legendre_kan.ncd:" in text and "CONFIG = PolyKANConfig(" in text
+    assert "POISON_OUTPUTS" not in text and "FORCE_REGIME" not in text  # choices are the config's, not globals
     assert "acos" not in text.split("def _darg", 1)[1].split("return", 1)[1].split("\n", 1)[0]
 
 
@@ -280,9 +271,12 @@ def test_recognised_but_unsupported_is_located():
     text = SPECS["chebyshev"].replace("T[deg](tanh(x))", "T[deg](tanh(x) * x[batch inp])").replace(
         "in    x[batch inp] : f32", "in    x[batch inp] : f32\nin    z[batch inp] : f32").replace(
         "tanh(x) * x[batch inp]", "tanh(x) * z")
+    front = front_end(text, "bad.ncd")
     with pytest.raises(UnsupportedPolyKAN) as err:
-        find_plan(front_end(text, "bad.ncd"))
+        plan_polykan(front, {})
     assert err.value.span is not None
+    with pytest.warns(FallbackWarning, match=f"polykan: bad.ncd:{err.value.span.line}:"):
+        assert select(front).family.name == "generic"  # the spec still compiles, from its IR
 
 
 def test_unbounded_argument_falls_back_to_recurrence():
@@ -307,7 +301,7 @@ def test_chebykan_layer_is_a_drop_in():
 
     ref = Reference(7, 5, 3)
     for layout in ("kernel", "spec"):
-        layer = _poisoned_layer(ChebyKANLayer(7, 5, 3, layout=layout))
+        layer = ChebyKANLayer(7, 5, 3, layout=layout)
         assert {k: v.shape for k, v in layer.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
         layer.load_state_dict(ref.state_dict())
         x = torch.randn(2, 3, 7, requires_grad=True)  # leading dims flattened, as ChebyKAN does
@@ -325,14 +319,9 @@ def test_chebykan_layer_is_a_drop_in():
     assert abs(std - 1 / (200 * 5)) < 0.05 / (200 * 5)
 
 
-def _poisoned_layer(layer):
-    _poisoned(layer._op)
-    return layer
-
-
 def test_polykan_layer_bases():
     for basis in BASES:
-        layer = _poisoned_layer(PolyKANLayer(6, 4, 5, basis=basis))
+        layer = PolyKANLayer(6, 4, 5, basis=basis)
         x = torch.randn(3, 6, dtype=torch.float64)
         ref = torch.einsum("bid,iod->bo", basis_ref(torch.tanh(x), 5, basis), layer.coeffs.detach().double())
         assert rel(layer(x.float()), ref) < TOL
@@ -344,13 +333,13 @@ def test_ops_share_static_kernels_keyed_by_their_hooks():
     """Chebyshev and Hermite at the same degree and mode differ only in their hooks (the spec's device functions):
     interleaved in one process, each must get its own compiled kernels from the one static kernel set. The
     generated modules never import the planner; their config is the plan's, as a literal."""
-    cheb = _poisoned(ncd.polykan.basis_op("chebyshev", 3, "recurrence"))
-    herm = _poisoned(ncd.polykan.basis_op("hermite", 3, "recurrence"))
+    cheb = ncd.families.polykan.plan.basis_op("chebyshev", 3, "recurrence")
+    herm = ncd.families.polykan.plan.basis_op("hermite", 3, "recurrence")
     assert cheb.module._RUNTIME is not herm.module._RUNTIME and cheb.module.DEGREES == herm.module.DEGREES
     assert cheb.module._RUNTIME.hooks.next is not herm.module._RUNTIME.hooks.next
     for op in (cheb, herm):
         text = op.path.read_text()
-        assert "ncd.polykan" not in text.replace("ncd.kernels.polykan", "") and "import ncd.rational" not in text
+        assert "ncd.families.polykan.plan" not in text and "ncd.families.rational.plan" not in text
         assert find_plan(op.front).config == op.module.CONFIG and op.module.CONFIG.basis_eval == "recurrence"
     for basis in ("chebyshev", "hermite", "chebyshev"):
         _check_layer(basis, 3, "recurrence", sizes=(19, 21, 17))
@@ -358,8 +347,17 @@ def test_ops_share_static_kernels_keyed_by_their_hooks():
 
 def test_lut_table_travels_bit_exact():
     """The generated module carries the plan's table compressed (xz, base85): it decodes to the same fp32 bits."""
-    op = ncd.polykan.basis_op("hermite", 3, "lut")
+    op = ncd.families.polykan.plan.basis_op("hermite", 3, "lut")
     table = find_plan(op.front).table
     expected = torch.from_numpy(np.stack([table.values, table.derivs]).astype("<f4"))
     assert torch.equal(op.module._TABLE_HOST, expected.view(op.module._TABLE_HOST.shape))
     assert op.module.CONFIG.lut_entries == table.entries and table.entries == op.module.ENTRIES
+
+
+def test_basis_rules_may_read_axis_sizes():
+    """size(deg) in a basis rule is the axis' size (it was an unlocated TypeError): here a factor of exactly 1."""
+    text = SPECS["legendre"].replace("/ (n + 1)", "/ (n + 1) * size(deg) / 9")
+    assert "size(deg)" in text
+    scaled = find_plan(front_end(text, "same.ncd", sizes={"deg": 9}))
+    plain = find_plan(front_end(SPECS["legendre"], "same.ncd", sizes={"deg": 9}))
+    assert scaled.describe()[3:12] == plain.describe()[3:12]

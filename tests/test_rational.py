@@ -2,7 +2,7 @@
 
 Every comparison is against float64: an independent hand-written PyTorch formula with autograd (abs
 differentiated with ncd's convention sign+(0) = +1) and the float64 reference evaluation of the spec's IR.
-Fresh random inputs at odd sizes; outputs poisoned with NaN (the generated modules' POISON_OUTPUTS).
+Fresh random inputs at odd sizes; outputs poisoned with NaN (NCD_POISON_OUTPUTS, tests/conftest.py).
 
 Tolerances: ||out - ref|| / ||ref|| < 1e-4 for every quantity. The coefficient gradients are long sums (a few
 thousand terms per group here); fp32 accumulation in registers, then a tree over the tile and at most a few
@@ -21,11 +21,11 @@ import ncd
 import ncd.reference
 from ncd.backend import find_plan
 from ncd.errors import CallError, NcdError
+from ncd.families.rational.plan import plan_rational
 from ncd.family import Decline
 from ncd.kan import PRESETS, GroupRational, KATGroup, compile_activation, spec_text
 from ncd.launch import _key_of
 from ncd.pipeline import front_end
-from ncd.rational import plan_rational
 from ncd.validate import validate
 
 from .conftest import ROOT, raise_float_errors
@@ -69,11 +69,6 @@ def rel(value, ref):
     return float((value - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
-def poisoned(op):
-    op.module.POISON_OUTPUTS = True
-    return op
-
-
 def check_against_reference(module, x, a, b, form, accumulate=None):
     """Forward and dx, dA, dB of `module.op` against the float64 formula; returns the gradients."""
     xs, as_, bs = (t.detach().clone().requires_grad_() for t in (x, a, b))
@@ -91,7 +86,7 @@ def check_against_reference(module, x, a, b, form, accumulate=None):
 
 @pytest.mark.parametrize("spec", [KAT_SPEC, PAPER_SPEC], ids=["kat", "paper"])
 def test_validate_rows_pass(spec, op_cache):
-    op = poisoned(ncd.load(spec, op_cache))
+    op = ncd.load(spec, op_cache)
     with raise_float_errors():
         rows = validate(op)
     assert [r.quantity for r in rows] == ["y", "dx", "dA", "dB"]
@@ -105,7 +100,6 @@ def test_validate_rows_pass(spec, op_cache):
 ])
 def test_odd_shapes_against_float64(form, groups, m, n, shape, shared, op_cache):
     module = GroupRational(groups, m, n, form=form, shared_numerator=shared, cache_dir=op_cache)
-    poisoned(module.op)
     x = torch.randn(shape).reshape(-1, shape[-1])
     a = torch.randn(m + 1) if shared else torch.randn(groups, m + 1)
     b = torch.randn(groups, n)
@@ -117,7 +111,6 @@ def test_zeros_in_x_and_b_use_sign_plus(form, op_cache, monkeypatch):
     """Exact zeros: identity init (b = 0) must still move b, as in the KAT reference kernels (sign(0) = +1)."""
     groups = 4
     module = GroupRational(groups, 5, 4, form=form, cache_dir=op_cache)
-    poisoned(module.op)
     x = torch.randn(45, 36)
     x[::3] = 0.0
     x[:, 5] = 0.0
@@ -141,7 +134,6 @@ def test_zeros_in_x_and_b_use_sign_plus(form, op_cache, monkeypatch):
 
 def test_deterministic_mode_is_reproducible_and_agrees(op_cache):
     module = GroupRational(8, 5, 4, form="kat", cache_dir=op_cache)
-    poisoned(module.op)
     x, a, b = torch.randn(77, 40), torch.randn(6), torch.randn(8, 4)
     first = check_against_reference(module, x, a, b, "kat", accumulate="deterministic")
     xs, as_, bs = (t.clone().requires_grad_() for t in (x, a, b))
@@ -258,10 +250,10 @@ def test_plan_shows_accumulation_and_atomics(run_cli):
     tree = ast.parse(out)
     assert any(isinstance(n, ast.FunctionDef) and n.name == "group_rational" for n in tree.body)
     assert "# group_rational.ncd:17, group_rational.ncd:18, group_rational.ncd:19" in out
-    # the kernels are ncd/kernels/rational.py's; the module holds the spec's device functions and its config
+    # the kernels are ncd/families/rational/kernel.py's; the module holds the spec's device functions and its config
     hooks = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert {"fwd_constants", "fwd_element", "bwd_element", "bwd_total"} <= hooks and "tl.atomic_add" not in out
-    assert "CONFIG = RationalConfig(" in out and "from ncd.rational" not in out
+    assert "CONFIG = RationalConfig(" in out and "from ncd.families.rational.plan" not in out
 
 
 def test_recognition_and_located_errors():
@@ -291,7 +283,7 @@ def test_spec_text_matches_shipped_structure():
 
 
 def test_two_ops_share_the_static_kernels_not_their_tuning(op_cache):
-    """Two ops with different coefficient counts in one process: each binds ncd/kernels/rational.py's kernels to
+    """Two ops with different coefficient counts in one process: each binds ncd/families/rational/kernel.py's kernels to
     its own hooks and autotuners, and interleaved calls stay exact; the plan's config is the module's literal."""
     small = GroupRational(4, 3, 2, form="kat", cache_dir=op_cache)
     large = GroupRational(4, 5, 4, form="paper", shared_numerator=False, cache_dir=op_cache)
@@ -308,7 +300,6 @@ def test_two_ops_share_the_static_kernels_not_their_tuning(op_cache):
         assert plan.config == module.op.module.CONFIG and plan.config.describe()[0].startswith("config: K = ")
     for _ in range(2):
         for module, shared, (m, n) in ((small, True, (3, 2)), (large, False, (5, 4))):
-            poisoned(module.op)
             x = torch.randn(29, 36)
             a = torch.randn(m + 1) if shared else torch.randn(4, m + 1)
             check_against_reference(module, x, a, torch.randn(4, n), "kat" if shared else "paper",

@@ -13,9 +13,10 @@ import sympy
 import torch
 
 import ncd
-from ncd.backend import plan
+from ncd.backend import FallbackWarning, plan, select
 from ncd.cli import main
 from ncd.errors import NcdError
+from ncd.families.attention.plan import plan_attention
 from ncd.reference import evaluate
 from ncd.stable_exp import UnsafeExponential, stable_triton_expr
 from ncd.streaming import X
@@ -122,8 +123,7 @@ def test_attention_is_finite_and_accurate_at_scores_of_1e3(tmp_path, op_cache, c
     else:
         path, d = tmp_path / "sigmoid_exponent.ncd", 8
         path.write_text(PRE_MAP_SPEC)
-    op = ncd.load(path, cache_dir=op_cache)
-    op.module.POISON_OUTPUTS = True
+    op = ncd.load(path, cache_dir=op_cache)  # outputs start as NaN: NCD_POISON_OUTPUTS (tests/conftest.py)
     maps = plan(op.front).maps
     rewritten = (maps.pre, maps.dpre) if case == "pre_map" else (maps.a1, maps.a2, maps.da1, maps.da2)
     assert all(text.count("tl.exp(") == text.count("tl.exp(-tl.abs(") > 0 for text in rewritten), maps
@@ -151,14 +151,21 @@ def test_attention_is_finite_and_accurate_at_scores_of_1e3(tmp_path, op_cache, c
 
 def test_a_map_the_rewrite_cannot_make_safe_is_a_located_error(tmp_path):
     """sigmoid(x) sigmoid(x^2) is bounded, so it streams without a max, but exp(-x) and exp(-x^2) are not powers of
-    one exponential: printed as written its derivative forms inf / inf, so the spec is rejected at the map."""
+    one exponential: printed as written its derivative forms inf / inf, so attention rejects it at the map, and the
+    spec falls through to the generic family with that location."""
     path = tmp_path / "two_exponentials.ncd"
     path.write_text(PRE_MAP_SPEC.replace("spec sigmoid_exponent", "spec two_exponentials").replace(
         "exp(10 * sigmoid(x))", "sigmoid(x) * sigmoid(x^2)"))
+    front = ncd.load_spec(path)
     with pytest.raises(NcdError) as err:
-        plan(ncd.load_spec(path))
+        plan_attention(front, {})
     message = str(err.value)
     assert "two_exponentials.ncd:12" in message and "not powers of one exponential" in message, message
+    with pytest.warns(FallbackWarning, match="two_exponentials.ncd:12"):  # PyTorch's sigmoid is safe as written
+        selection = select(front)
+    assert selection.family.name == "generic"
+    assert any(line.startswith("attention: two_exponentials.ncd:12") and "not powers of one exponential" in line
+               for line in selection.declined), selection.declined
 
 
 # ---------------------------------------------------------------------------------------------------------------

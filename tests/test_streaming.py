@@ -121,12 +121,16 @@ def test_cli_plan_shows_certificate_and_cost(run_cli):
     assert "query=1024" in out and "autotune set" in out
 
 
-def test_cli_rejects_non_streamable_with_location(run_cli, tmp_path):
+def test_cli_falls_back_from_non_streamable_with_location(run_cli, tmp_path):
+    """Attention recognises the contraction but cannot stream it: the generic family compiles it, and both the
+    plan and a note on stderr say where and why attention declined."""
     spec = tmp_path / "bad.ncd"
     spec.write_text(BASE + "A = (S - sum(S, over key))^2\nout O[batch head query dim] = A . V over key\n")
-    code, _, err = run_cli("compile", str(spec), "--emit", "plan")
-    assert code == 1
-    assert f"{spec}:8:5: error[not-streamable]" in err and "a1 depends on the aggregate" in err
+    code, out, err = run_cli("compile", str(spec), "--emit", "plan")
+    assert code == 0, err
+    assert out.startswith("family: generic")
+    assert "declined by attention: bad.ncd:8:5: recognised, but:" in out and "a1 depends on the aggregate" in out
+    assert "ncd: note: attention: bad.ncd:8:5:" in err and "compiled by the generic family" in err
     assert "Traceback" not in err
     code, _, err = run_cli("compile", str(spec), "--bind", "key")
     assert code == 2 and "AXIS=SIZE" in err

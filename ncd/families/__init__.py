@@ -8,15 +8,15 @@ from ..family import Family
 
 REGISTRY: tuple[Family, ...] = (
     Family("attention", "normalized-contraction attention: O = normalize(a(S), over key) . V with S = Q . K",
-           "ncd.attention:plan_attention", "ncd.validation_forms:AttentionForms"),
+           "ncd.families.attention.plan:plan_attention", "ncd.families.attention.forms:AttentionForms"),
     Family("rational", "group-wise rational activations of one input (KAT / FlashKAT)",
-           "ncd.rational:plan_rational", "ncd.validation_forms:RationalForms"),
+           "ncd.families.rational.plan:plan_rational", "ncd.families.rational.forms:RationalForms"),
     Family("polykan", "polynomial KAN layers: a basis recurrence of one input contracted with coefficients",
-           "ncd.polykan:plan_polykan", "ncd.validation_forms:PolyKANForms"),
+           "ncd.families.polykan.plan:plan_polykan", "ncd.families.polykan.forms:PolyKANForms"),
     Family("recurrence", "gated outer-product recurrences read through a ridge solve (Gated KalmaNet)",
-           "ncd.recurrence:plan_recurrence", "ncd.validation_forms:RecurrenceForms"),
+           "ncd.families.recurrence.plan:plan_recurrence", "ncd.families.recurrence.forms:RecurrenceForms"),
     Family("generic", "any other spec: a PyTorch function of its IR that torch.compile lowers to Triton",
-           "ncd.families.generic:plan_generic", "ncd.validation_forms:GenericForms"),
+           "ncd.families.generic:plan_generic", "ncd.families.generic.forms:GenericForms"),
 )
 
 

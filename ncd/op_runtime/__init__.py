@@ -28,6 +28,8 @@ Launcher conventions (all positional):
 
 from __future__ import annotations
 
+import functools
+import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["REGISTERED", "Arg", "KernelOp", "late", "op_module"]
+__all__ = ["REGISTERED", "Arg", "KernelOp", "late", "op_module", "resolver"]
 
 _TYPES = ("Tensor", "Tensor?", "float", "int", "bool")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -76,27 +78,34 @@ def _backward_schema(args: Sequence[Arg]) -> str:
     return f"(Tensor?[] grads, Tensor?[] saved{constants}, bool[] needs) -> Tensor[]"
 
 
+def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    """`values -> the values at positions`, in order, as a C callable (operator.itemgetter; no Python frame): a
+    tuple from a tuple."""
+    if len(positions) >= 2:
+        return operator.itemgetter(*positions)
+    if len(positions) == 1:
+        return operator.itemgetter(slice(positions[0], positions[0] + 1))
+    return operator.itemgetter(slice(0, 0))
+
+
 def _first_tensor(values: Sequence[Any]) -> torch.Tensor:
-    return next(v for v in values if isinstance(v, torch.Tensor))
+    for value in values:  # a loop, not a generator: no frame per value (host time per call)
+        if isinstance(value, torch.Tensor):
+            return value
+    raise ValueError("no tensor among the values")
 
 
 def _filled(results: Sequence[torch.Tensor | None], like: Any) -> tuple[torch.Tensor, ...]:
     """None results as distinct empty tensors (custom-op outputs may not alias each other); `like` (a tensor, or
     a sequence whose first tensor is used) gives their device."""
-    if all(t is not None for t in results):
+    for t in results:  # a loop, not a generator: no frame per result (host time per call)
+        if t is None:
+            break
+    else:
         return tuple(results)  # type: ignore[arg-type]
     if not isinstance(like, torch.Tensor):
         like = _first_tensor(like)
-    return tuple(t if t is not None else like.new_empty(0) for t in results)
-
-
-def _fitting(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
-    """`grad` as the gradient of `like`; an empty placeholder (a gradient the custom op had no tensor for) is None."""
-    if grad is None or like is None:
-        return None
-    if grad.numel() == 0 and grad.shape != like.shape:
-        return None
-    return grad
+    return tuple([t if t is not None else like.new_empty(0) for t in results])
 
 
 class KernelOp:
@@ -130,6 +139,16 @@ class KernelOp:
         self._saved_slots = tuple(self._tensor_positions.index(i) if a.is_tensor else None
                                   for i, a in enumerate(self.args))
         self._raw_slots = tuple(self._grad_positions.index(i) if a.grad else None for i, a in enumerate(self.args))
+        # what the per-call paths would otherwise re-derive (host time: bench/host_cpu.py)
+        self._all_tensors = len(self._tensor_positions) == len(self.args)
+        self._no_grads = (False,) * len(self.args)
+        self._tensor_slots = tuple((i, self._saved_slots[i]) for i in self._tensor_positions)
+        self._pick_tensors, self._pick_constants = _picker(self._tensor_positions), _picker(self._constant_positions)
+        self._pick_saved_results = _picker(self.save_results)
+        # the arguments that take gradients come first: a default raw result, then None for the rest, per argument
+        self._grads_lead = self._grad_positions == tuple(range(len(self._grad_positions)))
+        self._no_gradients = (None,) * (len(self.args) - len(self._grad_positions))
+        self._every_tensor = tuple(a.is_tensor for a in self.args)  # needs_input_grad when every tensor needs one
         self.forward_op = self._register_forward(fake)
         self.backward_op = self._register_backward()
         self.forward_op.register_autograd(self._autograd_backward, setup_context=self._setup_context)
@@ -182,38 +201,59 @@ class KernelOp:
         if len(results) > self.differentiable:  # statistics: no gradient, so no zero-filled buffers for them
             ctx.set_materialize_grads(False)
             ctx.mark_non_differentiable(*results[self.differentiable:])
-        ctx.save_for_backward(*[inputs[i] for i in self._tensor_positions],
-                              *[results[i] for i in self.save_results])
-        ctx.constants = tuple([inputs[i] for i in self._constant_positions])
-        # with several differentiable results, the unused ones get no gradient: zeros of these shapes
-        ctx.result_meta = [(t.shape, t.dtype, t.device) for t in results[:self.differentiable]] \
-            if self.differentiable > 1 else None
-        ctx.stash = stash
+        if self.save_results:
+            ctx.save_for_backward(*self._pick_tensors(inputs), *self._pick_saved_results(results))
+        else:
+            ctx.save_for_backward(*inputs if self._all_tensors else self._pick_tensors(inputs))
+        # one attribute (each costs host time): the constant arguments; with several differentiable results, the
+        # shapes of the zeros that the unused ones get as their gradient; the eager forward's stash
+        ctx.ncd = (tuple(self._pick_constants(inputs)) if self._constant_positions else (),
+                   [(t.shape, t.dtype, t.device) for t in results[:self.differentiable]]
+                   if self.differentiable > 1 else None,
+                   stash)
 
-    def _gradients(self, ctx: Any, grads: Sequence[torch.Tensor | None], backward: Launcher | None) -> tuple:
-        """One gradient per argument from the results' gradients: by `backward` (an eager call), else by the
-        backward custom op while torch.compile traces, else by the backward launcher."""
-        grads = tuple(grads[:self.differentiable])
-        if ctx.result_meta is not None:
+    def _gradients(self, backward: Launcher | None, ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        """One gradient per argument from the results' gradients: by `backward` (an eager call: this is the eager
+        Function's backward, bound by functools.partial, one Python frame less per call), else by the backward
+        custom op while torch.compile traces, else by the backward launcher."""
+        if backward is not None and torch.is_grad_enabled():  # create_graph: the kernels' gradients are not
+            raise RuntimeError(f"{self.spec_name}: double backward (create_graph=True) is not supported; the "
+                               "kernels' gradients are not differentiable")
+        constants, result_meta, stash = ctx.ncd
+        if len(grads) != self.differentiable:
+            grads = tuple(grads[:self.differentiable])
+        if result_meta is not None:
             grads = tuple(g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-                          for g, (shape, dtype, device) in zip(grads, ctx.result_meta, strict=True))
+                          for g, (shape, dtype, device) in zip(grads, result_meta, strict=True))
         saved = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        placeholders = False  # the backward custom op's results: an empty tensor where it had no gradient
         if backward is not None:
-            raw = backward(grads, saved, ctx.constants, needs, ctx.stash)
+            raw = backward(grads, saved, constants, needs, stash)
         elif torch.compiler.is_compiling():
-            raw = self.backward_op(list(grads), list(saved), *ctx.constants, list(needs))
+            raw = self.backward_op(list(grads), list(saved), *constants, list(needs))
+            placeholders = True
         else:
-            raw = self._backward(grads, saved, ctx.constants, needs, None)
+            raw = self._backward(grads, saved, constants, needs, None)
         if self._to_arguments is not None:
-            per_arg = tuple(self._to_arguments(tuple(raw), saved, ctx.constants, needs))
+            per_arg = tuple(self._to_arguments(tuple(raw), saved, constants, needs))
+        elif self._grads_lead:
+            per_arg = (*raw, *self._no_gradients)
         else:
-            per_arg = tuple(None if slot is None else raw[slot] for slot in self._raw_slots)
-        return tuple(_fitting(g, saved[slot]) if need and slot is not None else None
-                     for g, need, slot in zip(per_arg, needs, self._saved_slots, strict=True))
+            per_arg = tuple([None if slot is None else raw[slot] for slot in self._raw_slots])
+        if not placeholders and needs == self._every_tensor:  # every tensor asked for a gradient (the usual case)
+            return per_arg
+        gradients: list[torch.Tensor | None] = [None] * len(per_arg)
+        for i, slot in self._tensor_slots:  # constants have no gradient; tensors one where asked for
+            if needs[i]:
+                grad = per_arg[i]
+                # an empty placeholder (a gradient the custom op had no tensor for) is no gradient
+                if grad is not None and (not placeholders or grad.numel() or grad.shape == saved[slot].shape):
+                    gradients[i] = grad
+        return tuple(gradients)
 
     def _autograd_backward(self, ctx: Any, *grads: torch.Tensor | None) -> tuple:
-        return self._gradients(ctx, grads, None)
+        return self._gradients(None, ctx, *grads)
 
     def eager_function(self, eager_forward: Launcher | None = None, backward: Launcher | None = None
                        ) -> type[torch.autograd.Function]:
@@ -221,35 +261,33 @@ class KernelOp:
         context and gradient mapping. A family may pass other launchers for the same arguments and results (an
         eager variant reading another layout); by default the op's own."""
         op = self
-        run_forward = eager_forward or self._eager_forward or (lambda needs, *args: (self._forward(*args), None))
+        run_forward = eager_forward or self._eager_forward
+        plain_forward = self._forward
         run_backward = backward or self._backward
+        single = len(self.results) == 1
 
         class Function(torch.autograd.Function):
             """Eager calls: the launchers without the custom ops' dispatch, the custom op's context and backward."""
 
             @staticmethod
             def forward(ctx: Any, *args: Any) -> Any:
-                results, stash = run_forward(ctx.needs_input_grad, *args)
-                output = op._single(_filled(results, args))
+                if run_forward is None:
+                    results, stash = plain_forward(*args), None
+                else:
+                    results, stash = run_forward(ctx.needs_input_grad, *args)
+                if single:
+                    output = results[0]
+                    if output is None:
+                        output = _first_tensor(args).new_empty(0)
+                else:
+                    output = _filled(results, args)
                 op._setup_context(ctx, args, output, stash)
                 return output
 
-            @staticmethod
-            def backward(ctx: Any, *grads: Any) -> Any:
-                if torch.is_grad_enabled():  # create_graph: the kernels' gradients are not differentiable
-                    raise RuntimeError(f"{op.spec_name}: double backward (create_graph=True) is not supported; the "
-                                       "kernels' gradients are not differentiable")
-                return op._gradients(ctx, grads, run_backward)
+            backward = staticmethod(functools.partial(op._gradients, run_backward))  # (ctx, *grads)
 
         Function.__name__ = Function.__qualname__ = f"{self.spec_name}_Function"
         return Function
-
-    def _run_forward(self, needs: Sequence[bool], args: Sequence[Any]) -> tuple[torch.Tensor, ...]:
-        if self._eager_forward is not None:
-            results = self._eager_forward(tuple(needs), *args)[0]
-        else:
-            results = self._forward(*args)
-        return _filled(results, args)
 
     # --- the call ---------------------------------------------------------------------------------------------
 
@@ -260,9 +298,17 @@ class KernelOp:
     def __call__(self, *args: Any) -> Any:
         if torch.compiler.is_compiling():
             return self.forward_op(*args)
-        if self.needs_grad(args):
-            return self.Function.apply(*args)
-        return self._single(self._run_forward((False,) * len(args), args))
+        if torch.is_grad_enabled():  # needs_grad, inline (host time per call)
+            for i in self._grad_positions:
+                if isinstance(args[i], torch.Tensor) and args[i].requires_grad:
+                    return self.Function.apply(*args)
+        if self._eager_forward is not None:
+            results = self._eager_forward(self._no_grads, *args)[0]
+        else:
+            results = self._forward(*args)
+        if len(self.results) == 1 and results[0] is not None:
+            return results[0]
+        return self._single(_filled(results, args))
 
 
 def late(namespace: Mapping[str, Any], name: str) -> Launcher:
@@ -273,7 +319,19 @@ def late(namespace: Mapping[str, Any], name: str) -> Launcher:
         return namespace[name](*args, **kwargs)
 
     call.__name__ = call.__qualname__ = name
+    call.late = (namespace, name)  # type: ignore[attr-defined]  # for `resolver`
     return call
+
+
+def resolver(launcher: Launcher) -> Callable[[], Launcher]:
+    """`resolver(launcher)()` is the function to call now: for a `late` launcher, `namespace[name]` at this moment,
+    else the launcher. The resolver is made of C callables (functools.partial of a bound `__getitem__`), so
+    `resolver(f)()(*args)` runs no Python frame besides the launcher's own: one frame less per call than `late`'s
+    wrapper (host time per call: bench/host_cpu.py)."""
+    namespace, name = getattr(launcher, "late", (None, None))
+    if namespace is not None:
+        return functools.partial(namespace.__getitem__, name)
+    return functools.partial((launcher,).__getitem__, 0)
 
 
 REGISTERED: dict[str, KernelOp] = {}  # qualname -> op, every op registered in this process

@@ -600,9 +600,6 @@ class BodyEmitter:
         return value
 
 
-_LEAF = "_leaf"
-
-
 def _skeleton(node: object) -> object:
     """A node as nested tuples without its spans: equal for the same expression written in two places."""
     if isinstance(node, tuple | list):
@@ -621,22 +618,9 @@ def _single_wire_map(node: ir.Node) -> tuple[sympy.Expr, ir.Load] | None:
                                                      for n in loads):
         return None
     try:
-        return to_sympy(_with_var(node, loads[0]), None, {_LEAF: streaming.X}), loads[0]
+        return to_sympy(node, leaf=lambda n: streaming.X if isinstance(n, ir.Load) else None), loads[0]
     except (TypeError, KeyError):
         return None
-
-
-def _with_var(node: ir.Node, leaf: ir.Load) -> ir.Node:
-    """`node` with every load equal to `leaf` replaced by the variable _LEAF (for to_sympy)."""
-    if node == leaf or (isinstance(node, ir.Load) and (node.tensor, node.index) == (leaf.tensor, leaf.index)):
-        return ir.Var(_LEAF, node.span)
-    if isinstance(node, ir.Unary):
-        return ir.Unary(node.fn, _with_var(node.arg, leaf), node.axes, node.span)
-    if isinstance(node, ir.Binary):
-        return ir.Binary(node.op, _with_var(node.lhs, leaf), _with_var(node.rhs, leaf), node.axes, node.span)
-    if isinstance(node, ir.Pow):
-        return ir.Pow(_with_var(node.base, leaf), node.exponent, node.axes, node.span)
-    return node
 
 
 class _Printer(TorchPrinter):

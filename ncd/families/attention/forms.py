@@ -1,0 +1,125 @@
+"""What `ncd check` runs for attention: the streamed and factorized forms and draws that reach large logits,
+exact zeros and masked rows."""
+
+from __future__ import annotations
+
+import torch
+
+from ncd.family import KernelPlan
+from ncd.ops import Op
+from ncd.validate import Case
+from ncd.validation_forms import FP32, DictSwitch, Forms, sprinkle_zeros, zero_rows
+
+from . import plan
+
+TWIN_DIM = 16  # attention head dim of the cheaper twin
+# Attention rows whose normaliser b(z) is below this fraction of the median row's are redrawn in bf16 draws
+# (plan.NEAR_SINGULAR is 1e-3, for fp32). There the backward's dS carries u |dP| / b of rounding in any implementation
+# that saves O in bf16 (delta = rowsum(dO * O)); with u = 2^-8 that is 1e-2 and more on a causal
+# first row normalised by one small score (measured: dQ 1.4e-2 over the tensor, 0.11 on a row, at one draw of
+# causal_gqa_spherical in both forms; at 5e-2, worst rows still reach 3.5e-2 against 4e-2).
+NEAR_SINGULAR_LOW_PRECISION = 0.1
+
+
+class AttentionForms(Forms):
+    """Streamed and (where the maps allow it) factorized forms; large logits, exact zeros (zero query rows
+    and keys), zero multiplicities and masked rows (a query that sees no key of nonzero weight)."""
+
+    default_form = "streamed"
+
+    def __init__(self, op: Op, kernel_plan: KernelPlan):
+        super().__init__(op, kernel_plan)
+        if self.plan.factorization is not None and self.plan.config.factorize == "always":
+            self.default_form = "factorized"  # `validate` runs the op as configured
+
+    def _forms(self) -> list[str]:
+        module = self.op.module
+        if self.plan.factorization is None:
+            return ["streamed"]
+        dims = [self.op.front.program.axis(self.plan.roles.q_axes[3]).fixed or 16]
+        if module.head_tile(dims[0]) > module.FACT_MAX_HEAD_DIM:
+            return ["streamed"]
+        return ["streamed", "factorized"]
+
+    def cases(self, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
+        draws = ["large", "zeros"] + (["masked"] if self.plan.roles.weight else [])
+        out = [Case("streamed", "normal", FP32)]
+        out += [Case("streamed", d, FP32, True) for d in draws]
+        out += [Case("streamed", "normal", d, True) for d in dtypes if d != FP32]
+        if "factorized" in self._forms():  # polynomial maps: no overflow to find with large logits
+            out += [Case("factorized", d, FP32, True) for d in ["normal", *draws[1:]]]
+            out += [Case("factorized", "normal", d, True) for d in dtypes if d != FP32]
+        return out
+
+    def op_for(self, case: Case) -> Op:
+        """The factorized form, and the streamed form's extra fp32 draws, run on a twin with head dim TWIN_DIM
+        (the same generated code; the interpreter's cost grows with the head dim, and with the factorized form's
+        [D, 2D] states: 15 s a case at D = 128 on this CPU, about 1 s at 16). The default case and bf16 run at
+        the spec's own head dim. Each form runs on an op compiled to take it at every call (`_in_form`)."""
+        dim = self.plan.roles.q_axes[3]
+        twin = case.form == "factorized" or (case.small and case.dtype == FP32)
+        op = self.op
+        if twin and (self.op.front.program.axis(dim).fixed or 0) > TWIN_DIM:
+            op = self.variant(sizes={dim: TWIN_DIM})
+        if self.plan.factorization is None:
+            return op
+        return self._in_form(op, "always" if case.form == "factorized" else "never")
+
+    def _in_form(self, op: Op, factorize: str) -> Op:
+        """`op` compiled to take one form at every call (its config's `factorize`: always | never)."""
+        if op.config.factorize == factorize:
+            return op
+        key = f"{op.compiled.op_id} factorize={factorize}"
+        if key not in self._variants:
+            self._variants[key] = op.with_config(factorize=factorize)
+        return self._variants[key]
+
+    def sizes(self, case: Case, sizes: dict[str, int]) -> dict[str, int]:
+        if not case.small:
+            return sizes
+        r = self.plan.roles
+        out = dict(sizes)
+        if case.form == "factorized":  # three or more chunks of the causal form (CHUNK is 16 in the interpreter)
+            chunk = getattr(self.op.module, "CHUNK", 16)
+            out[r.q_axes[2]] = max(out[r.q_axes[2]], 2 * chunk + 5)
+            out[r.k_axes[2]] = max(out[r.k_axes[2]], 2 * chunk - 3)
+        out[r.q_axes[0]] = 1
+        head, kv_head = r.q_axes[1], r.k_axes[1]
+        if head == kv_head:
+            out[head] = 2
+        else:  # one K/V head read by two query heads
+            out[kv_head] = 1
+            for f in self.op.front.program.axis(head).factors:
+                out[f] = 2 if f != kv_head else 1
+            out[head] = 2
+        return out
+
+    def draw(self, case: Case, inputs: dict[str, torch.Tensor], generator: torch.Generator | None
+             ) -> dict[str, torch.Tensor]:
+        r = self.plan.roles
+        if case.dtype != FP32:  # the family's conditioning at bf16's rounding (a module switch of plan)
+            with DictSwitch(vars(plan), {"NEAR_SINGULAR": NEAR_SINGULAR_LOW_PRECISION}):
+                inputs = self.plan.condition_inputs(self.op_for(case).front.program, inputs, generator)
+        out = dict(inputs)
+        if case.draw == "large":  # scores of several hundred: exp(s) overflows fp32 unless stabilised
+            out[r.query], out[r.key] = inputs[r.query] * 8, inputs[r.key] * 8
+        elif case.draw == "zeros":  # exact zeros: whole query and key rows, and scattered elements
+            program = self.op.front.program  # the tensors' declared layouts
+            q_dim = program.tensor(r.query).axes.index(r.q_axes[2])
+            k_dim = program.tensor(r.key).axes.index(r.k_axes[2])
+            out[r.query] = zero_rows(inputs[r.query], q_dim, 5)
+            out[r.key] = sprinkle_zeros(zero_rows(inputs[r.key], k_dim, 4), generator)
+            if r.weight:  # zero multiplicities, never all of a row's keys
+                w_dim = program.tensor(r.weight).axes.index(r.k_axes[2])
+                out[r.weight] = zero_rows(inputs[r.weight], w_dim, 3)
+        elif case.draw == "masked":  # rows with no visible key of nonzero weight: output 0, no gradient
+            w_axes = self.op.front.program.tensor(r.weight).axes
+            w = inputs[r.weight].clone()
+            if r.causal:  # the first queries see only the first keys
+                w.narrow(w_axes.index(r.k_axes[2]), 0, 3).zero_()
+            elif r.k_axes[0] in w_axes:  # the first batch has no key at all
+                w.narrow(w_axes.index(r.k_axes[0]), 0, 1).zero_()
+            else:
+                w.zero_()
+            out[r.weight] = w
+        return out

@@ -1,0 +1,692 @@
+"""Factorized (chunked) form of a normalized contraction whose a1, a2 are polynomials of degree <= 1, <= 2 in the
+score (factorize.py), written once; it reuses the streamed kernels' inner loops (kernel.py) for
+the diagonal chunks. The coefficients enter as constexprs C0, C1, E0, E1, E2 (NEED_VEC: c0 or e1 is non-zero, so the
+column sums of the states' value rows are kept too); the maps and flags as in kernel.py.
+
+    a1(s) = c0 + c1 s,  a2(s) = e0 + e1 s + e2 s^2  (s = scale q.k)
+
+so, with w_j the per-key weight (1 without one) and the sums over the keys visible to query i,
+
+    numerator_i = c0 sum_j w_j v_j + c1 scale q_i S,          S = sum_j w_j k_j v_j^T  [D, D]
+    z_i         = e0 sum_j w_j + e1 scale q_i . sum_j w_j k_j + e2 scale^2 q_i^T M q_i,  M = sum_j w_j k_j k_j^T
+
+Causal: keys are cut into chunks of CHUNK. State t holds S and M (and the vector sums) over the keys of chunks < t (a
+sequential scan per kv head: `fact_state_fwd_kernel`); a query block of chunk t adds the keys of its own chunk as
+masked scores, exactly as the streamed kernel does on its diagonal blocks. No mask: one state per kv head over all
+keys; the [query key] matrix is never formed.
+
+Backward: with g_i = dO_i / b(z_i) and delta_i = (dO_i . o_i) b'(z_i) / b(z_i),
+
+    dQ_i = scale [c1 g_i S^T - e1 delta_i sum_j w_j k_j - 2 e2 scale delta_i q_i M]       (+ own chunk)
+    dK_j = scale w_j [c1 v_j A^T - e1 u - 2 e2 scale k_j B],   dV_j = w_j [c0 sum_i g_i + c1 scale k_j A]
+
+with A = sum_i q_i^T g_i, B = sum_i delta_i q_i^T q_i, u = sum_i delta_i q_i over the queries that see key j (causal:
+in later chunks, a reverse scan: `fact_state_bwd_kernel`), summed over the query heads of a kv head. States are
+[D, 2D] per chunk and kv head, stored in the input dtype (accumulated in fp32); the vector sums, when needed, fp32.
+"""
+# ruff: noqa: E741, SIM102, SIM108
+# (kernels: tensors named O; constexpr branches written as statements, which Triton resolves at compile time)
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ncd.families.attention.config import GPU_CHUNK, INTERPRET_CHUNK
+from ncd.families.attention.kernel import (
+    _INTERPRET,
+    HOOK_KEY,
+    AttentionConfig,
+    AttentionKernels,
+    Spec,
+    _bwd_dkdv_inner,
+    _bwd_dq_inner,
+    _dot,
+    _finish_rows,
+    _fwd_inner,
+    _head,
+    _head_columns,
+    _in_head,
+    _inv_b,
+    _key_block_program,
+    _load_key_block,
+    _load_rows,
+    _query_head,
+    _row_delta,
+    _store_key_block,
+    _store_rows,
+    autotuned,
+    bucket,
+    head_tile,
+    weight_arg,
+)
+from ncd.launch import fast
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for the tile kernels; (BK, BV, num_warps, num_stages) for the
+# scans, which own a BK x BV block of a [D, 2D] state
+GPU_TILES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
+    "state": ((64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)),
+    "fwd": ((128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 8, 2)),
+    "dq": ((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2)),
+    "dkdv": ((32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2)),
+}
+
+
+def _fact_configs(kind: str) -> list:
+    names = ("BK", "BV") if kind == "state" else ("BLOCK_M", "BLOCK_N")
+    if _INTERPRET:
+        return [triton.Config({names[0]: 16, names[1]: 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({names[0]: c[0], names[1]: c[1]}, num_warps=c[2], num_stages=c[3]) for c in GPU_TILES[kind]]
+
+
+def _fact_prune_state(configs: list, named_args: dict, **kwargs: Any) -> list:
+    d = kwargs["HEAD_DIM"]  # constexpr arguments arrive as keywords
+    kept = [c for c in configs if c.kwargs["BK"] <= d and c.kwargs["BV"] <= d]
+    return kept or [triton.Config({"BK": min(16, d), "BV": min(16, d)}, num_warps=4, num_stages=1)]
+
+
+def _fact_prune(configs: list, named_args: dict, **kwargs: Any) -> list:
+    """Tiles no longer than the (bucketed) lengths; with the causal chunks, tiles that divide CHUNK."""
+    chunk, causal = kwargs["CHUNK"], kwargs["CAUSAL"]
+    q_bucket, k_bucket = named_args["Q_BUCKET"], named_args["K_BUCKET"]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= q_bucket and c.kwargs["BLOCK_N"] <= k_bucket
+            and (not causal or (chunk % c.kwargs["BLOCK_M"] == 0 and chunk % c.kwargs["BLOCK_N"] == 0))]
+    if kept:
+        return kept
+    side = max(16, min(chunk, 64)) if causal else 64
+    return [triton.Config({"BLOCK_M": side, "BLOCK_N": side}, num_warps=4, num_stages=1)]
+
+
+FACT_STATE_KEY = ["HEAD_DIM", "CHUNK", "PRECISION", "STORE_ALL", "STEPS_BUCKET", "HEADS_BUCKET", *HOOK_KEY]
+FACT_TUNE_KEY = ["HEAD_DIM", "PRECISION", "CHUNK", "Q_BUCKET", "K_BUCKET", "WORK", *HOOK_KEY]
+
+# ---------------------------------------------------------------------------------------------
+# Forward state: S = sum_j w_j k_j v_j^T and M = sum_j w_j k_j k_j^T as one [D, 2D] matrix K_w^T [V | K]
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _state_program(H, VEC, HQ, GROUP, N_STATES, HEAD_DIM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """(pid_c, pid_r, bhk, off_b, off_hk, col0, offs_r, offs_c, h_ptrs, vec_ptrs) of a program of a scan's grid over
+    (column block of the [D, 2D] states, row block, batch * kv head), HQ // GROUP kv heads: h_ptrs, vec_ptrs point
+    at its block of the first state of its kv head."""
+    pid_c = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    bhk = tl.program_id(2)
+    hkv = HQ // GROUP
+    off_b = bhk // hkv
+    off_hk = bhk % hkv
+    col0 = pid_c * BV
+    offs_r = pid_r * BK + tl.arange(0, BK)
+    offs_c = tl.arange(0, BV)
+    state = bhk.to(tl.int64) * N_STATES
+    h_ptrs = H + state * (2 * HEAD_DIM * HEAD_DIM) + offs_r[:, None] * (2 * HEAD_DIM) + col0 + offs_c[None, :]
+    vec_ptrs = VEC + state * (2 * HEAD_DIM) + col0 + offs_c
+    return pid_c, pid_r, state, off_b, off_hk, col0, offs_r, offs_c, h_ptrs, vec_ptrs
+
+
+@triton.jit
+def _fact_scan_fwd(
+    h_ptrs, h_step, vec_ptrs, vec_step, wsum_ptr, wsum_step, k_base, x_base, w_base,
+    stride_kn, stride_kd, stride_xn, stride_xd, stride_wn, offs_r, offs_c, r_ok, c_ok, N_K, N_STEPS,
+    STORE_VEC, STORE_W,
+    STORE_ALL: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_VEC: tl.constexpr, E0: tl.constexpr,
+):
+    """h = sum over chunks of K_w[chunk, rows]^T X[chunk, cols]; with STORE_ALL the state before each chunk
+    is stored (state t: keys of chunks < t), else the total once. r_ok, c_ok: which rows and columns exist (the
+    state is the head-dim tile wide; K, X are D wide)."""
+    offs_t = tl.arange(0, CHUNK)
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    vec = tl.zeros([BV], dtype=tl.float32)
+    wsum = tl.sum(tl.zeros([CHUNK], dtype=tl.float32), 0)
+    for t in range(N_STEPS):
+        if STORE_ALL:
+            tl.store(h_ptrs + t * h_step, h.to(h_ptrs.dtype.element_ty))
+            if NEED_VEC:
+                if STORE_VEC:
+                    tl.store(vec_ptrs + t * vec_step, vec)
+            if E0 != 0.0:
+                if STORE_W:
+                    tl.store(wsum_ptr + t * wsum_step, wsum)
+        offs_n = t * CHUNK + offs_t
+        in_k = offs_n < N_K
+        kk = _load_rows(k_base, offs_n, stride_kn, stride_kd, offs_r, in_k, r_ok)
+        x = _load_rows(x_base, offs_n, stride_xn, stride_xd, offs_c, in_k, c_ok)
+        if HAS_WEIGHT:
+            w = tl.load(w_base + offs_n * stride_wn, mask=in_k, other=0.0)
+            xw = x.to(tl.float32) * w[:, None]
+            x = xw.to(x.dtype)
+        else:
+            w = in_k.to(tl.float32)
+            xw = x.to(tl.float32)
+        h = _dot(tl.trans(kk), x, h, PRECISION)
+        if NEED_VEC:
+            vec += tl.sum(xw, 0)
+        if E0 != 0.0:
+            wsum += tl.sum(w, 0)
+    if STORE_ALL:
+        last = N_STEPS
+    else:
+        last = 0
+    tl.store(h_ptrs + last * h_step, h.to(h_ptrs.dtype.element_ty))
+    if NEED_VEC:
+        if STORE_VEC:
+            tl.store(vec_ptrs + last * vec_step, vec)
+    if E0 != 0.0:
+        if STORE_W:
+            tl.store(wsum_ptr + last * wsum_step, wsum)
+
+
+@triton.jit
+def fact_state_fwd_kernel(
+    K, V, W, H, VEC, WSUM,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_wb, stride_wn,
+    HKV, N_K, N_STATES, N_STEPS, STEPS_BUCKET, HEADS_BUCKET,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, STORE_ALL: tl.constexpr, PRECISION: tl.constexpr,
+    A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
+    DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+):
+    """One program per (column block of [V | K], row block of D, batch * kv head)."""
+    pid_c, pid_r, state, off_b, off_hk, col0, offs_r, offs_c, h_ptrs, vec_ptrs = _state_program(
+        H, VEC, HKV, 1, N_STATES, HEAD_DIM, BK, BV)
+    k_base = _head(K, off_b, off_hk, stride_kb, stride_kh)
+    w_base = W + off_b.to(tl.int64) * stride_wb
+    store_vec = pid_r == 0
+    store_w = (pid_r == 0) & (pid_c == 0)
+    r_ok = _in_head(offs_r, HEAD_DIM, D)
+    if col0 < HEAD_DIM:  # value columns: S
+        c_ok = _in_head(col0 + offs_c, HEAD_DIM, D)
+        v_base = _head(V, off_b, off_hk, stride_vb, stride_vh) + col0 * stride_vd
+        _fact_scan_fwd(
+            h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, WSUM + state, 1, k_base, v_base, w_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_wn, offs_r, offs_c, r_ok, c_ok, N_K, N_STEPS,
+            store_vec, store_w, STORE_ALL, CHUNK, BK, BV, PRECISION, HAS_WEIGHT, NEED_VEC, E0,
+        )
+    else:  # key columns: M
+        x_base = k_base + (col0 - HEAD_DIM) * stride_kd
+        c_ok = _in_head(col0 - HEAD_DIM + offs_c, HEAD_DIM, D)
+        _fact_scan_fwd(
+            h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, WSUM + state, 1, k_base, x_base, w_base,
+            stride_kn, stride_kd, stride_kn, stride_kd, stride_wn, offs_r, offs_c, r_ok, c_ok, N_K, N_STEPS,
+            store_vec, False, STORE_ALL, CHUNK, BK, BV, PRECISION, HAS_WEIGHT, NEED_VEC, E0,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward output: one program per (query block, batch * query head)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fact_query_program(HQ, GROUP, BLOCK_M: tl.constexpr):
+    """(bh, bhk, off_b, off_h, off_hk, start_m, offs_m) of a program of a grid over (query block, batch * query head),
+    as kernel.py's `_query_block_program` (no reversal, no axis swap) with bhk, the (batch, kv head) index, too."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    off_b = bh // HQ
+    off_h = bh % HQ
+    off_hk = off_h // GROUP
+    bhk = off_b * (HQ // GROUP) + off_hk
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    return bh, bhk, off_b, off_h, off_hk, start_m, offs_m
+
+
+@triton.jit
+def fact_fwd_kernel(
+    Q, K, V, W, H, VEC, WSUM, O, Z,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_wb, stride_wn,
+    scale, HQ, GROUP, N_Q, N_K, N_STATES, Q_BUCKET, K_BUCKET, WORK,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr, UNIT_SCALE: tl.constexpr,
+    A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
+    DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A,
+                           HAS_PRE)
+    bh, bhk, off_b, off_h, off_hk, start_m, offs_m = _fact_query_program(HQ, GROUP, BLOCK_M)
+    offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    in_q = offs_m < N_Q
+    q = _load_rows(_head(Q, off_b, off_h, stride_qb, stride_qh), offs_m, stride_qm, stride_qd, offs_d, in_q, d_ok)
+    if CAUSAL:
+        t = start_m // CHUNK  # state t: the keys of chunks < t
+    else:
+        t = 0
+    state = bhk.to(tl.int64) * N_STATES + t
+    h_base = H + state * (2 * HEAD_DIM * HEAD_DIM)
+    z = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if E2 != 0.0:
+        mm = tl.load(h_base + offs_d[:, None] * (2 * HEAD_DIM) + HEAD_DIM + offs_d[None, :])
+        qm = _dot(q, mm, None, PRECISION)
+        z += (E2 * scale * scale) * tl.sum(qm * q.to(tl.float32), 1)
+    if C1 != 0.0:
+        ss = tl.load(h_base + offs_d[:, None] * (2 * HEAD_DIM) + offs_d[None, :])
+        acc = _dot(q, ss, None, PRECISION) * (C1 * scale)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if NEED_VEC:
+        vec_base = VEC + state * (2 * HEAD_DIM)
+    if E1 != 0.0:
+        kw = tl.load(vec_base + HEAD_DIM + offs_d)
+        z += (E1 * scale) * tl.sum(q.to(tl.float32) * kw[None, :], 1)
+    if C0 != 0.0:
+        acc += C0 * tl.load(vec_base + offs_d)[None, :]
+    if E0 != 0.0:
+        z += E0 * tl.load(WSUM + state)
+    if CAUSAL:
+        # the keys of the own chunk up to the diagonal, as scores (unmasked blocks, then masked ones)
+        k_base = _head(K, off_b, off_hk, stride_kb, stride_kh)
+        v_base = _head(V, off_b, off_hk, stride_vb, stride_vh)
+        w_base = W + off_b.to(tl.int64) * stride_wb
+        lo = t * CHUNK
+        hi = tl.minimum(start_m + BLOCK_M, N_K)
+        full_end = tl.maximum(lo, tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, N_K // BLOCK_N * BLOCK_N))
+        m = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc, z, m = _fwd_inner(acc, z, m, q, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               stride_wn, offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk, BLOCK_N, HEAD_DIM, D,
+                               PRECISION, False, UNIT_SCALE, False, S)
+    o = _finish_rows(acc, z, in_q, B)
+    _store_rows(_head(O, off_b, off_h, stride_ob, stride_oh), o, offs_m, stride_om, stride_od, offs_d, in_q, d_ok)
+    tl.store(Z + bh.to(tl.int64) * N_Q + offs_m, z, mask=in_q)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward dQ (and delta): one program per (query block, batch * query head)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def fact_dq_kernel(
+    Q, K, V, W, DO, O, Z, H, VEC, DELTA, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_wb, stride_wn,
+    scale, HQ, GROUP, N_Q, N_K, N_STATES, Q_BUCKET, K_BUCKET, WORK,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
+    A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
+    DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A,
+                           HAS_PRE)
+    bh, bhk, off_b, off_h, off_hk, start_m, offs_m = _fact_query_program(HQ, GROUP, BLOCK_M)
+    offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    in_q = offs_m < N_Q
+    q_base = _head(Q, off_b, off_h, stride_qb, stride_qh)
+    do_base = _head(DO, off_b, off_h, stride_dob, stride_doh)
+    o_base = _head(O, off_b, off_h, stride_ob, stride_oh)
+    q = _load_rows(q_base, offs_m, stride_qm, stride_qd, offs_d, in_q, d_ok)
+    do = _load_rows(do_base, offs_m, stride_dom, stride_dod, offs_d, in_q, d_ok)
+    o = _load_rows(o_base, offs_m, stride_om, stride_od, offs_d, in_q, d_ok)
+    stat_offs = bh.to(tl.int64) * N_Q + offs_m
+    z = tl.load(Z + stat_offs, mask=in_q, other=1.0)
+    inv_b = _inv_b(z, B)
+    delta = _row_delta(o, do, z, DB_OVER_B)
+    tl.store(DELTA + stat_offs, delta, mask=in_q)
+    if CAUSAL:
+        t = start_m // CHUNK
+    else:
+        t = 0
+    state = bhk.to(tl.int64) * N_STATES + t
+    h_base = H + state * (2 * HEAD_DIM * HEAD_DIM)
+    if C1 != 0.0:
+        g = (do.to(tl.float32) * inv_b[:, None]).to(do.dtype)
+        st = tl.load(h_base + offs_d[None, :] * (2 * HEAD_DIM) + offs_d[:, None])  # S^T
+        dq = _dot(g, st, None, PRECISION)
+        if C1 != 1.0:
+            dq = dq * C1
+    else:
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if E2 != 0.0:
+        mm = tl.load(h_base + offs_d[:, None] * (2 * HEAD_DIM) + HEAD_DIM + offs_d[None, :])
+        q_delta = (q.to(tl.float32) * (((-2.0 * E2) * scale) * delta)[:, None]).to(q.dtype)
+        dq = _dot(q_delta, mm, dq, PRECISION)
+    if E1 != 0.0:
+        dq -= E1 * delta[:, None] * tl.load(VEC + state * (2 * HEAD_DIM) + HEAD_DIM + offs_d)[None, :]
+    if CAUSAL:
+        k_base = _head(K, off_b, off_hk, stride_kb, stride_kh)
+        v_base = _head(V, off_b, off_hk, stride_vb, stride_vh)
+        w_base = W + off_b.to(tl.int64) * stride_wb
+        lo = t * CHUNK
+        hi = tl.minimum(start_m + BLOCK_M, N_K)
+        full_end = tl.maximum(lo, tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, N_K // BLOCK_N * BLOCK_N))
+        dq = _bwd_dq_inner(dq, q, do, 0.0, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn,
+                           stride_vd, stride_wn, offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk, BLOCK_N,
+                           HEAD_DIM, D, PRECISION, False, S)
+    dq = dq * scale
+    _store_rows(_head(DQ, off_b, off_h, stride_dqb, stride_dqh), dq, offs_m, stride_dqm, stride_dqd, offs_d, in_q, d_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward state: A = sum_i q_i^T g_i and B = sum_i delta_i q_i^T q_i as one [D, 2D] matrix
+# Q^T [G | delta Q], summed over the query heads of a kv head
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fact_scan_bwd(
+    h_ptrs, h_step, vec_ptrs, vec_step, Q, DO, Z, DELTA, off_b, off_hk, cols,
+    stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
+    offs_r, r_ok, c_ok, HQ, GROUP, N_Q, N_STATES, N_STEPS, STORE_VEC,
+    IS_G: tl.constexpr, STORE_ALL: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr, B: tl.constexpr, NEED_VEC: tl.constexpr,
+):
+    """Reverse scan over query chunks; with STORE_ALL, state t (for the keys of chunk t) holds the queries of
+    chunks > t and is stored for t < N_STATES, else the total is stored once."""
+    offs_t = tl.arange(0, CHUNK)
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    vec = tl.zeros([BV], dtype=tl.float32)
+    for step in range(N_STEPS):
+        t = N_STEPS - 1 - step
+        if STORE_ALL:
+            if t < N_STATES:
+                tl.store(h_ptrs + t * h_step, h.to(h_ptrs.dtype.element_ty))
+                if NEED_VEC:
+                    if STORE_VEC:
+                        tl.store(vec_ptrs + t * vec_step, vec)
+        offs_m = t * CHUNK + offs_t
+        in_q = offs_m < N_Q
+        for g in range(GROUP):
+            off_h = off_hk * GROUP + g
+            q_base = _head(Q, off_b, off_h, stride_qb, stride_qh)
+            qr = _load_rows(q_base, offs_m, stride_qm, stride_qd, offs_r, in_q, r_ok)
+            stat_offs = (off_b * HQ + off_h).to(tl.int64) * N_Q + offs_m
+            if IS_G:
+                do_base = _head(DO, off_b, off_h, stride_dob, stride_doh)
+                x = _load_rows(do_base, offs_m, stride_dom, stride_dod, cols, in_q, c_ok)
+                inv_b = _inv_b(tl.load(Z + stat_offs, mask=in_q, other=1.0), B)
+                xs = x.to(tl.float32) * inv_b[:, None]
+            else:
+                x = _load_rows(q_base, offs_m, stride_qm, stride_qd, cols, in_q, c_ok)
+                xs = x.to(tl.float32) * tl.load(DELTA + stat_offs, mask=in_q, other=0.0)[:, None]
+            h = _dot(tl.trans(qr), xs.to(qr.dtype), h, PRECISION)
+            if NEED_VEC:
+                vec += tl.sum(xs, 0)
+    if not STORE_ALL:
+        tl.store(h_ptrs, h.to(h_ptrs.dtype.element_ty))
+        if NEED_VEC:
+            if STORE_VEC:
+                tl.store(vec_ptrs, vec)
+
+
+@triton.jit
+def fact_state_bwd_kernel(
+    Q, DO, Z, DELTA, H, VEC,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    HQ, GROUP, N_Q, N_STATES, N_STEPS, STEPS_BUCKET, HEADS_BUCKET,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, STORE_ALL: tl.constexpr, PRECISION: tl.constexpr,
+    A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
+    DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+):
+    """One program per (column block of [G | delta Q], row block of D, batch * kv head)."""
+    _, pid_r, _, off_b, off_hk, col0, offs_r, offs_c, h_ptrs, vec_ptrs = _state_program(
+        H, VEC, HQ, GROUP, N_STATES, HEAD_DIM, BK, BV)
+    store_vec = pid_r == 0
+    r_ok = _in_head(offs_r, HEAD_DIM, D)
+    if col0 < HEAD_DIM:  # G = dO / b(z) columns: A
+        c_ok = _in_head(col0 + offs_c, HEAD_DIM, D)
+        _fact_scan_bwd(
+            h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, Q, DO, Z, DELTA, off_b, off_hk, col0 + offs_c,
+            stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
+            offs_r, r_ok, c_ok, HQ, GROUP, N_Q, N_STATES, N_STEPS, store_vec, True, STORE_ALL, CHUNK, BK, BV, PRECISION,
+            B, NEED_VEC,
+        )
+    else:  # delta * Q columns: B
+        c_ok = _in_head(col0 - HEAD_DIM + offs_c, HEAD_DIM, D)
+        _fact_scan_bwd(
+            h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, Q, DO, Z, DELTA, off_b, off_hk,
+            col0 - HEAD_DIM + offs_c,
+            stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
+            offs_r, r_ok, c_ok, HQ, GROUP, N_Q, N_STATES, N_STEPS,
+            store_vec, False, STORE_ALL, CHUNK, BK, BV, PRECISION, B, NEED_VEC,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward dK, dV: one program per (key block, batch * kv head)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def fact_dkdv_kernel(
+    Q, K, V, W, DO, Z, DELTA, HB, VECB, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_wb, stride_wn,
+    scale, HQ, HKV, GROUP, N_Q, N_K, N_STATES, Q_BUCKET, K_BUCKET, WORK,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
+    A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
+    DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A,
+                           HAS_PRE)
+    bhk, off_b, off_hk, _, start_n, offs_n = _key_block_program(HKV, BLOCK_N, False)
+    offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    in_k = offs_n < N_K
+    k, v, w = _load_key_block(K, V, W, off_b, off_hk, offs_n, offs_d, d_ok, in_k, stride_kb, stride_kh, stride_kn,
+                              stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_wb, stride_wn, HAS_WEIGHT)
+    if CAUSAL:
+        t = start_n // CHUNK  # state t: the queries of chunks > t
+    else:
+        t = 0
+    # the queries of the state first: dK, dV start as these products (scaled afterwards, so no operand
+    # is rounded again), then the own chunk's scores accumulate into them
+    state = bhk.to(tl.int64) * N_STATES + t
+    h_base = HB + state * (2 * HEAD_DIM * HEAD_DIM)
+    if C1 != 0.0:
+        a = tl.load(h_base + offs_d[:, None] * (2 * HEAD_DIM) + offs_d[None, :])  # A
+        dv = _dot(k, a, None, PRECISION) * (C1 * scale)
+    else:
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    if E2 != 0.0:
+        bm = tl.load(h_base + offs_d[:, None] * (2 * HEAD_DIM) + HEAD_DIM + offs_d[None, :])  # B
+        dk = _dot(k, bm, None, PRECISION) * ((-2.0 * E2) * scale)
+    else:
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    if C1 != 0.0:
+        at = tl.load(h_base + offs_d[None, :] * (2 * HEAD_DIM) + offs_d[:, None])  # A^T
+        if C1 == 1.0:
+            dk = _dot(v, at, dk, PRECISION)
+        else:
+            dk = _dot((v.to(tl.float32) * C1).to(v.dtype), at, dk, PRECISION)
+    if NEED_VEC:
+        vec_base = VECB + state * (2 * HEAD_DIM)
+    if E1 != 0.0:
+        dk -= E1 * tl.load(vec_base + HEAD_DIM + offs_d)[None, :]
+    if C0 != 0.0:
+        dv += C0 * tl.load(vec_base + offs_d)[None, :]
+    if HAS_WEIGHT:
+        dk = dk * w[:, None]
+        dv = dv * w[:, None]
+    if CAUSAL:
+        # the queries of the own chunk at or after the diagonal, as scores
+        lo = start_n // BLOCK_M * BLOCK_M
+        chunk_end = tl.minimum((t + 1) * CHUNK, N_Q)
+        diag_end = tl.minimum((start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M,
+                              (N_Q + BLOCK_M - 1) // BLOCK_M * BLOCK_M)  # as _query_blocks, in this order
+        for g in range(GROUP):
+            off_h, _, q_base, do_base, stat_base = _query_head(Q, DO, off_b, off_hk, g, stride_qb, stride_qh,
+                                                               stride_dob, stride_doh, HQ, GROUP, N_Q, False)
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, Z + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, start_n, lo, diag_end, chunk_end, N_Q, N_K, scale,
+                off_b, off_h, DK, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, False, False, False, S,
+            )
+    dk = dk * scale
+    _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, in_k, stride_dkb, stride_dkh, stride_dkn,
+                     stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+
+
+class FactorizedAttentionKernels(AttentionKernels):
+    """AttentionKernels plus the factorized form: `coefficients` (c0, c1, e0, e1, e2) of a1, a2 as polynomials of the
+    score. Keys per causal chunk: `config.chunk`, else the platform's (config.py)."""
+
+    def __init__(self, name: str, config: AttentionConfig, maps: dict[str, Any], namespace: dict[str, Any], *,
+                 causal: bool, has_weight: bool, coefficients: tuple[float, float, float, float, float]) -> None:
+        super().__init__(name, config, maps, namespace, causal=causal, has_weight=has_weight)
+        c0, c1, e0, e1, e2 = (float(c) for c in coefficients)
+        self.need_vec = bool(c0 or e1)
+        self.has_wsum = bool(e0)
+        self.fact_spec = {**self.spec, "C0": c0, "C1": c1, "E0": e0, "E1": e1, "E2": e2, "NEED_VEC": self.need_vec}
+        self.chunk = config.chunk or (INTERPRET_CHUNK if _INTERPRET else GPU_CHUNK)
+        self.fact_state_fwd_kernel = autotuned(fact_state_fwd_kernel, _fact_configs("state"), FACT_STATE_KEY,
+                                               _fact_prune_state)
+        self.fact_state_bwd_kernel = autotuned(fact_state_bwd_kernel, _fact_configs("state"), FACT_STATE_KEY,
+                                               _fact_prune_state)
+        self.fact_fwd_kernel = autotuned(fact_fwd_kernel, _fact_configs("fwd"), FACT_TUNE_KEY, _fact_prune)
+        self.fact_dq_kernel = autotuned(fact_dq_kernel, _fact_configs("dq"), FACT_TUNE_KEY, _fact_prune)
+        self.fact_dkdv_kernel = autotuned(fact_dkdv_kernel, _fact_configs("dkdv"), FACT_TUNE_KEY, _fact_prune)
+
+    def states(self, n_q: int, n_k: int, chunk: int) -> tuple[int, int, int, int]:
+        """(forward states, forward scan steps, backward states, backward scan steps)."""
+        if not self.causal:
+            return 1, triton.cdiv(n_k, chunk), 1, triton.cdiv(n_q, chunk)
+        n_fwd = triton.cdiv(n_q, chunk)  # state t: keys of chunks < t, for each query chunk
+        n_bwd = triton.cdiv(n_k, chunk)  # state t: queries of chunks > t, for each key chunk
+        return n_fwd, n_fwd - 1, n_bwd, max(triton.cdiv(n_q, chunk), n_bwd)
+
+    def forward_factorized(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None = None,
+                           scale: float | None = None) -> tuple:
+        """o as `forward` computes it, by the factorized form; returns (o, (z, h, vec)) for backward_factorized."""
+        batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
+        limit = self.config.fact_max_head_dim
+        if head_tile(head_dim) > limit:
+            raise ValueError(f"the factorized form runs head dims up to {limit} (its [D, D] states are held "
+                             f"in shared memory); got {head_dim}: use the streamed form (NCD_ATTENTION_FACTORIZE=auto)")
+        scale = head_dim**-0.5 if scale is None else float(scale)
+        chunk = self.chunk
+        n_states, n_steps, _, _ = self.states(n_q, n_k, chunk)
+        w_arg, w_strides = weight_arg(w, q)
+        tile = head_tile(head_dim)  # the states are tile x 2 tile: the columns past head_dim stay zero
+        h = self.new((batch * hkv, n_states, tile, 2 * tile), q.dtype, q.device)
+        # h stands in for the vector sums and the weight sums where the coefficients need none
+        vec = self.new((batch * hkv, n_states, 2 * tile), torch.float32, q.device) if self.need_vec else h
+        wsum = self.new((batch * hkv, n_states), torch.float32, q.device) if self.has_wsum else h
+        precision = self.precision(q.dtype)
+
+        def grid_state(meta: dict) -> tuple:
+            return (2 * tile // meta["BV"], tile // meta["BK"], batch * hkv)
+
+        fast(self.fact_state_fwd_kernel)[grid_state](
+            k, v, w_arg, h, vec, wsum, *k.stride(), *v.stride(), *w_strides,
+            hkv, n_k, n_states, n_steps, bucket(n_steps), bucket(batch * hkv),
+            HEAD_DIM=tile, D=head_dim, CHUNK=chunk, STORE_ALL=self.causal, PRECISION=precision, **self.fact_spec,
+        )
+        o = self.new((batch, hq, n_q, head_dim), q.dtype, q.device)
+        z = self.new((batch, hq, n_q), torch.float32, q.device)
+
+        def grid(meta: dict) -> tuple:
+            return (triton.cdiv(n_q, meta["BLOCK_M"]), batch * hq)
+
+        fast(self.fact_fwd_kernel)[grid](
+            q, k, v, w_arg, h, vec, wsum, o, z,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *w_strides,
+            scale, hq, hq // hkv, n_q, n_k, n_states, bucket(n_q), bucket(n_k), bucket(batch * hq),
+            HEAD_DIM=tile, D=head_dim, PRECISION=precision, CHUNK=chunk, UNIT_SCALE=scale == 1.0, **self.fact_spec,
+        )
+        return o, (z, h, vec if self.need_vec else None)
+
+    def backward_factorized(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            o: torch.Tensor, stats: tuple, w: torch.Tensor | None = None,
+                            scale: float | None = None) -> tuple:
+        """(dq, dk, dv) of <do, o>; stats as returned by forward_factorized."""
+        batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
+        scale = head_dim**-0.5 if scale is None else float(scale)
+        z, h, vec = stats
+        vec = vec if self.need_vec else h
+        chunk = self.chunk
+        n_states, _, n_states_b, n_steps_b = self.states(n_q, n_k, chunk)
+        if h.shape[1] != n_states:
+            raise ValueError(f"stats were computed with another CHUNK ({h.shape[1]} states, {n_states} expected)")
+        w_arg, w_strides = weight_arg(w, q)
+        precision = self.precision(q.dtype)
+        tile = head_tile(head_dim)
+        if do.dtype != q.dtype:
+            do = do.to(q.dtype)
+
+        delta = self.new((batch, hq, n_q), torch.float32, q.device)
+        dq = self.new(q.shape, q.dtype, q.device)
+
+        def grid_q(meta: dict) -> tuple:
+            return (triton.cdiv(n_q, meta["BLOCK_M"]), batch * hq)
+
+        fast(self.fact_dq_kernel)[grid_q](
+            q, k, v, w_arg, do, o, z, h, vec, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *o.stride(), *dq.stride(), *w_strides,
+            scale, hq, hq // hkv, n_q, n_k, n_states, bucket(n_q), bucket(n_k), bucket(batch * hq),
+            HEAD_DIM=tile, D=head_dim, PRECISION=precision, CHUNK=chunk, **self.fact_spec,
+        )
+        hb = self.new((batch * hkv, n_states_b, tile, 2 * tile), q.dtype, q.device)
+        vecb = self.new((batch * hkv, n_states_b, 2 * tile), torch.float32, q.device) if self.need_vec else hb
+
+        def grid_state(meta: dict) -> tuple:
+            return (2 * tile // meta["BV"], tile // meta["BK"], batch * hkv)
+
+        fast(self.fact_state_bwd_kernel)[grid_state](
+            q, do, z, delta, hb, vecb, *q.stride(), *do.stride(),
+            hq, hq // hkv, n_q, n_states_b, n_steps_b, bucket(n_steps_b), bucket(batch * hkv),
+            HEAD_DIM=tile, D=head_dim, CHUNK=chunk, STORE_ALL=self.causal, PRECISION=precision, **self.fact_spec,
+        )
+        dk = self.new(k.shape, k.dtype, k.device)
+        dv = self.new(v.shape, v.dtype, v.device)
+
+        def grid_k(meta: dict) -> tuple:
+            return (triton.cdiv(n_k, meta["BLOCK_N"]), batch * hkv)
+
+        fast(self.fact_dkdv_kernel)[grid_k](
+            q, k, v, w_arg, do, z, delta, hb, vecb, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *w_strides,
+            scale, hq, hkv, hq // hkv, n_q, n_k, n_states_b, bucket(n_q), bucket(n_k), bucket(batch * hq),
+            HEAD_DIM=tile, D=head_dim, PRECISION=precision, CHUNK=chunk, **self.fact_spec,
+        )
+        return dq, dk, dv
+
+    def factorized_backward_from_saved(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                       w: torch.Tensor | None, o: torch.Tensor, z: torch.Tensor, h: torch.Tensor,
+                                       vec: torch.Tensor | None, scale: float | None) -> tuple:
+        """backward_factorized() from the tensors `save_for_backward` keeps (vec: None or empty when not needed)."""
+        run: Callable = self.ns["backward_factorized"]
+        return run(do, q, k, v, o, (z, h, vec if self.need_vec else None), w, scale)

@@ -1,0 +1,150 @@
+"""The attention family's op on the shared runtime: o = sum_j w_j a1(s_ij) v_j / b(sum_j w_j a2(s_ij)).
+
+The kernels take q, k, v as [batch, head, n, dim] and the per-key weight (multiplicities) as [batch, key]; a
+weight is a constant input of the spec (its gradient kernel runs in eager backwards only). The generated module
+hands over its namespace: `AttentionOp` reads the launchers there at each call (`forward`, `backward_from_saved`,
+`weight_gradient`; with the factorized form `forward_factorized`, `factorized_backward_from_saved` and
+`_use_factorized`) and the numbers the fakes need (`ONLINE_MAX`, `head_tile`, `CHUNK`, `FACT_CAUSAL`,
+`FACT_NEED_VEC`), so that a test or `ncd check` replacing a launcher on the module reaches the op. (Choices such as
+the form are the config's: `Op.with_config`.)"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ncd import runtime as rt
+from ncd.op_runtime import Arg, KernelOp
+
+_ARGS = [Arg("q", grad=True), Arg("k", grad=True), Arg("v", grad=True), Arg("w", "Tensor?", grad=True),
+         Arg("scale", "float")]
+
+
+class AttentionOp:
+    """`op(tensor inputs..., w, scale, sizes)` after `op.check(tensor inputs...)`; see the generated function."""
+
+    def __init__(self, spec_name: str, op_id: str, namespace: Mapping[str, Any], *,
+                 axes: Mapping[str, tuple[int | None, tuple[str, ...]]], inputs: Sequence[tuple[str, tuple]],
+                 query: str, key: str, value: str, perms: Mapping[str, tuple[int, ...]], weight: str | None = None,
+                 weight_layout: tuple[int, ...] | str | None = None, scale_grad: str | None = None,
+                 factorized: bool = False) -> None:
+        self.spec_name, self.ns, self.axes = spec_name, namespace, axes
+        self.inputs = tuple((name, tuple(a)) for name, a in inputs)
+        self.query, self.key, self.value = query, key, value
+        self.perms = {role: tuple(p) for role, p in perms.items()}
+        self.weight, self.weight_layout, self.scale_grad = weight, weight_layout, scale_grad
+        self._checked = rt.CheckMemo()  # call signature -> axis sizes, checks passed
+        self.streamed = KernelOp(f"ncd::{op_id}", spec_name, _ARGS, ["o", "z", "m"], save_results=(0, 1, 2),
+                                 forward=self._forward, fake=self._fake, backward=self._backward,
+                                 backward_fake=self._backward_fake)
+        self.factorized = None
+        if factorized:
+            self.factorized = KernelOp(f"ncd::{op_id}_factorized", spec_name, _ARGS, ["o", "z", "h", "vec"],
+                                       save_results=(0, 1, 2, 3), forward=self._forward_factorized,
+                                       fake=self._fake_factorized, backward=self._backward_factorized,
+                                       backward_fake=self._backward_fake)
+
+    # --- launchers in the runtime's conventions ----------------------------------------------------------------
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Any, scale: float) -> tuple:
+        o, (z, m) = self.ns["forward"](q, k, v, w, scale)
+        return o, z, m
+
+    def _fake(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Any, scale: float) -> tuple:
+        rows = (q.shape[0], q.shape[1], q.shape[2])
+        z = q.new_empty(rows, dtype=torch.float32)
+        m = q.new_empty(rows if self.ns["ONLINE_MAX"] else (0,), dtype=torch.float32)
+        return q.new_empty((*rows, v.shape[3])), z, m
+
+    def _forward_factorized(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Any, scale: float) -> tuple:
+        o, (z, h, vec) = self.ns["forward_factorized"](q, k, v, w, scale)
+        return o, z, h, vec
+
+    def _fake_factorized(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Any, scale: float) -> tuple:
+        ns = self.ns
+        batch, hq, n_q, head_dim = q.shape
+        states = (n_q + ns["CHUNK"] - 1) // ns["CHUNK"] if ns["FACT_CAUSAL"] else 1
+        tile = ns["head_tile"](head_dim)
+        h = q.new_empty((batch * k.shape[1], states, tile, 2 * tile))
+        vec = q.new_empty((batch * k.shape[1], states, 2 * tile) if ns["FACT_NEED_VEC"] else (0,),
+                          dtype=torch.float32)
+        return q.new_empty((batch, hq, n_q, v.shape[3])), q.new_empty((batch, hq, n_q), dtype=torch.float32), h, vec
+
+    def _weight_gradient(self, do: torch.Tensor, saved: tuple, scale: float, needs: tuple) -> torch.Tensor | None:
+        """The weight's gradient where it needs one, from the same saved z (and m with the running max)."""
+        if not needs[3]:
+            return None
+        q, k, v, w, o, z, *rest = saved
+        return self.ns["weight_gradient"](do, q, k, v, w, o, z, rest[0] if self.ns["ONLINE_MAX"] else None, scale)
+
+    def _backward(self, grads: tuple, saved: tuple, constants: tuple, needs: tuple, stash: Any) -> tuple:
+        (do,) = grads
+        (scale,) = constants
+        dq, dk, dv = self.ns["backward_from_saved"](do, *saved, scale)
+        return dq, dk, dv, self._weight_gradient(do, saved, scale, needs)
+
+    def _backward_factorized(self, grads: tuple, saved: tuple, constants: tuple, needs: tuple, stash: Any) -> tuple:
+        (do,) = grads
+        (scale,) = constants
+        dq, dk, dv = self.ns["factorized_backward_from_saved"](do, *saved, scale)
+        return dq, dk, dv, self._weight_gradient(do, saved, scale, needs)
+
+    @staticmethod
+    def _backward_fake(grads: tuple, saved: tuple, constants: tuple, needs: tuple) -> list:
+        q, k, v, w = saved[:4]
+        dw = torch.empty_like(w) if needs[3] and w is not None else q.new_empty(0)
+        return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dw]
+
+    # --- calls --------------------------------------------------------------------------------------------------
+
+    def check(self, *tensors: torch.Tensor) -> dict[str, int]:
+        """The size of every axis (read-only: remembered per call signature, rt.CheckMemo); CallError naming the
+        tensor and the axis for a bad shape, dtype or device."""
+        signature = None if torch.compiler.is_compiling() else rt.CheckMemo.signature(*tensors)
+        remembered = self._checked.get(signature)
+        if remembered is not None:
+            return remembered  # type: ignore[return-value]
+        named = [(name, t, axes) for (name, axes), t in zip(self.inputs, tensors, strict=True)]
+        sizes = rt.bind_axes(self.axes, named)
+        by_name = {name: t for name, t, _ in named}
+        rt.check_floats([(role, by_name[role]) for role in (self.query, self.key, self.value)])
+        rt.check_device([(name, t) for name, t, _ in named])
+        self._checked.put(signature, sizes)
+        return sizes
+
+    def _kernel_weight(self, w: torch.Tensor | None, sizes: Mapping[str, int]) -> torch.Tensor | None:
+        """The weight as [batch key] float32: a [key] weight is shared by the batch."""
+        if w is None:
+            return None
+        layout = self.weight_layout
+        if isinstance(layout, str):  # the batch axis's name: w is [key]
+            w = w.unsqueeze(0).expand(sizes[layout], -1)
+        elif layout is not None:
+            w = w.permute(layout)
+        return w.to(torch.float32)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, scale: Any,
+                 sizes: Mapping[str, int]) -> torch.Tensor:
+        if self.weight is not None and w is not None and torch.compiler.is_compiling():
+            # the weight's gradient kernel runs in eager backwards only
+            rt.check_constant(self.weight, w, "the per-key weight under torch.compile")
+        kq = q.permute(self.perms["q"])
+        kk = k.permute(self.perms["k"])
+        kv = v.permute(self.perms["v"])
+        kw = self._kernel_weight(w, sizes)
+        if self.scale_grad is not None:  # a scale that needs a gradient gets it through q (differentiable_scale)
+            kernel_scale, kq = rt.differentiable_scale(scale, kq, self.scale_grad)
+        else:
+            kernel_scale = float(scale)
+        inverse = self.perms["o_inverse"]
+        if 0 in kq.shape or 0 in kk.shape:  # empty batch, heads, queries, keys or head dim: nothing to launch
+            # (no keys: every row is masked, so 0, as docs/language.md defines)
+            o = rt.zero_result((kq.shape[0], kq.shape[1], kq.shape[2], kv.shape[3]), kq, kq, kk, kv, kw)
+            return o.permute(inverse)
+        op = self.streamed
+        if self.factorized is not None and self.ns["_use_factorized"](kq.shape[2], kk.shape[2],
+                                                                      self.ns["head_tile"](kq.shape[3])):
+            op = self.factorized  # the kernels' work is at the head tile
+        return op(kq, kk, kv, kw, kernel_scale)[0].permute(inverse)

@@ -1,0 +1,1 @@
+"""polykan family."""

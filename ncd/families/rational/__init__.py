@@ -1,0 +1,1 @@
+"""rational family."""

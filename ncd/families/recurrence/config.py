@@ -1,0 +1,66 @@
+"""What the recurrence family's plan decides for its kernels (kernel.py), as one frozen object.
+
+The plan builds it (`RecurrencePlan.config`, printed by `--emit plan`); the generated module embeds its values as
+literals (`CONFIG`) and passes it to every launch, so a test or a benchmark changes a precision or a tile through the
+config (`op.with_config(dot_precision="ieee")`: an op of its own) instead of overwriting module globals. No torch or
+Triton here: the planner imports this module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+DOT_PRECISIONS = ("fp16", "tf32", "tf32x3", "ieee", "bf16")
+GRAD_PRECISIONS = ("fp16x3", "tf32x3", "tf32", "ieee")
+
+
+@dataclass(frozen=True)
+class RecurrenceConfig:
+    iterations: int  # Chebyshev steps: the op's default num_iter (the spec's `iterations = r`)
+    ridge: float  # lambda_t = ridge ||H_t||_F: the op's default ridge (the spec's constant)
+    output_factor: float = 1.0  # the output's constant factors beside the scale input
+    scaling_input: bool = True  # the spec scales keys and values by an input (beta); None then means no scaling
+    chunk: int = 64  # tokens per chunk: the op's default chunk_size
+    # Operand precision of the in-kernel products (accumulation is always fp32). None: by input dtype ("ieee" for
+    # fp32 inputs, scaled "fp16" for 16-bit ones; kernel.py's solve_precision). Or one of
+    # DOT_PRECISIONS everywhere. NCD_GKA_DOT_PRECISION fills it (with_settings) when None.
+    dot_precision: str | None = None
+    # The backward's accumulation kernels: None is "fp16x3" (or dot_precision where that names one precision
+    # everywhere); NCD_GKA_GRAD_PRECISION fills it when None.
+    grad_precision: str | None = None
+    # State tile (rows, columns, warps) of one scan program, forward and backward (H100, T = 8192,
+    # bench/log/2026-11-20-to-22.md)
+    scan_tiles_fwd: tuple[int, int, int] = (64, 64, 4)
+    scan_tiles_bwd: tuple[int, int, int] = (32, 64, 4)
+    scan_stages: int = 3  # the forward scan's pipelined key loads (H200: 2 stages 6-20% slower, 4 the same)
+    output_bv: int = 64  # value columns per block of the solve's output epilogue
+    poison_outputs: bool = False  # fill every output buffer with NaN before the kernels write it (tests)
+
+    def __post_init__(self) -> None:
+        if self.dot_precision not in (None, *DOT_PRECISIONS):
+            raise ValueError(f"dot_precision must be None or one of {', '.join(DOT_PRECISIONS)}, "
+                             f"not {self.dot_precision!r}")
+        if self.grad_precision not in (None, *GRAD_PRECISIONS):
+            raise ValueError(f"grad_precision must be None or one of {', '.join(GRAD_PRECISIONS)}, "
+                             f"not {self.grad_precision!r}")
+        if self.chunk not in (16, 32, 64, 128):
+            raise ValueError(f"chunk must be 16, 32, 64 or 128, not {self.chunk}")
+
+    def with_settings(self) -> RecurrenceConfig:
+        """The precisions left None filled from NCD_GKA_DOT_PRECISION and NCD_GKA_GRAD_PRECISION (read now)."""
+        from ncd.settings import settings
+
+        current = settings()
+        return replace(self, dot_precision=self.dot_precision or current.gka_dot_precision,
+                       grad_precision=self.grad_precision or current.gka_grad_precision)
+
+    def describe(self) -> list[str]:
+        by_dtype = "by input dtype (fp32: ieee, 16-bit: scaled fp16; NCD_GKA_DOT_PRECISION overrides)"
+        return [
+            "config:",
+            f"  iterations {self.iterations}, ridge {self.ridge:g}, output factor {self.output_factor:g}, "
+            f"chunk {self.chunk}, scaling input {'yes' if self.scaling_input else 'no (constant scalings)'}",
+            f"  products: solve/output/norm {self.dot_precision or by_dtype}; backward accumulation "
+            f"{self.grad_precision or 'fp16x3 (NCD_GKA_GRAD_PRECISION overrides)'}",
+            f"  scan tiles (rows, columns, warps): forward {self.scan_tiles_fwd} with {self.scan_stages} stages, "
+            f"backward {self.scan_tiles_bwd}; output value block {self.output_bv}",
+        ]

@@ -1,0 +1,84 @@
+"""What `ncd check` runs for the gated recurrence: chunk sizes, packed sequences (cu_seqlens), initial state,
+and gates at 0 and -30."""
+
+from __future__ import annotations
+
+import torch
+
+from ncd.ops import Op
+from ncd.reference import evaluate
+from ncd.validate import Case
+from ncd.validation_forms import FP32, Forms
+
+
+class RecurrenceForms(Forms):
+    """GKA: the default chunk size at the spec's sizes; chunk sizes 16 and 32 (three and two chunks at 37
+    tokens), packed sequences (`cu_seqlens`), and a chained call through `initial_state`/`output_final_state`,
+    each on a twin compiled with small head dims (the same generated code; the interpreter's cost grows with
+    K x K states); gates at exactly 0 and far below; bf16."""
+
+    default_form = "chunk default"
+    TWIN_KDIM, TWIN_VDIM = 16, 12
+    PACKED = (0, 4, 38, 45)  # three sequences: shorter than a chunk, three chunks from an unaligned start, 7
+    SPLIT = 21  # the chained call's first part (not a multiple of any chunk size)
+
+    def cases(self, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
+        out = [Case("chunk default", "normal", FP32), Case("chunk 16", "normal", FP32, True),
+               Case("chunk 32", "gates", FP32, True), Case("cu_seqlens", "normal", FP32, True),
+               Case("state", "normal", FP32, True)]
+        return out + [Case("chunk 16", "normal", d, True) for d in dtypes if d != FP32]
+
+    def op_for(self, case: Case) -> Op:
+        if not case.small:
+            return self.op
+        r, program = self.plan.roles, self.op.front.program
+        sizes = {}
+        for axis, size in ((r.kdim, self.TWIN_KDIM), (r.vdim, self.TWIN_VDIM)):
+            if (program.axis(axis).fixed or 0) > size:
+                sizes[axis] = size
+        return self.variant(sizes=sizes)
+
+    def sizes(self, case: Case, sizes: dict[str, int]) -> dict[str, int]:
+        r = self.plan.roles
+        if not case.small:  # one sequence per head at the spec's head dims; the twins run two
+            return {**sizes, r.batch: 1}
+        return {**sizes, r.batch: 1 if case.form in ("cu_seqlens", "state") else 2, r.head: 1,
+                r.time: self.PACKED[-1] if case.form == "cu_seqlens" else sizes[r.time]}
+
+    def draw(self, case: Case, inputs: dict[str, torch.Tensor], generator: torch.Generator | None
+             ) -> dict[str, torch.Tensor]:
+        if case.draw != "gates":
+            return inputs
+        g = inputs[self.plan.roles.g].clone()
+        g[:, ::3] = 0.0  # no decay: exactly 0
+        g[:, 1::7] = -30.0  # an almost complete reset
+        return {**inputs, self.plan.roles.g: g}
+
+    def _kwargs(self, leaves: dict[str, torch.Tensor], part: slice = slice(None)) -> dict[str, object]:
+        r = self.plan.roles
+        names = {"q": r.q, "k": r.k, "v": r.v, "g": r.g, "beta": r.beta, "alpha": r.alpha}
+        return {role: leaves[name][:, part] if name else None for role, name in names.items()}
+
+    def call(self, op: Op, case: Case, leaves: dict[str, torch.Tensor]) -> torch.Tensor:
+        if case.form == "chunk default":
+            return super().call(op, case, leaves)
+        chunk = op.module.chunk
+        if case.form == "cu_seqlens":
+            cu = torch.tensor(self.PACKED, dtype=torch.int32, device=leaves[self.plan.roles.q].device)
+            return chunk(**self._kwargs(leaves), cu_seqlens=cu, chunk_size=16)[0]
+        if case.form == "state":
+            first, state = chunk(**self._kwargs(leaves, slice(None, self.SPLIT)), output_final_state=True,
+                                 chunk_size=16)
+            second, _ = chunk(**self._kwargs(leaves, slice(self.SPLIT, None)), initial_state=state, chunk_size=16)
+            return torch.cat([first, second], dim=1)
+        return chunk(**self._kwargs(leaves), chunk_size=int(case.form.split()[-1]))[0]
+
+    def reference(self, op: Op, case: Case, leaves: dict[str, torch.Tensor]) -> torch.Tensor:
+        if case.form != "cu_seqlens":
+            return super().reference(op, case, leaves)
+        r = self.plan.roles
+        pieces = []
+        for start, end in zip(self.PACKED, self.PACKED[1:], strict=False):  # each packed sequence on its own
+            part = {n: v[:, start:end] if v.dim() > 1 else v for n, v in leaves.items()}
+            pieces.append(evaluate(op.front.program, part)[r.output])
+        return torch.cat(pieces, dim=1)

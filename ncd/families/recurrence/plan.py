@@ -1,0 +1,530 @@
+"""The recurrence family: gated outer-product state recurrences read through a per-token ridge solve (Gated
+KalmaNet, papers/gated-kalmanet.txt), compiled to chunked Triton kernels.
+
+Recognition (every step a located `unsupported` error when a spec has scans but departs from it):
+    H[.. time .. a b] = scan(exp(g) * prev + kb * kb[.. b], over time)        a gated key covariance
+    U[.. time .. c a] = scan(exp(g) * prev + vb * kb, over time)              a gated value-key memory
+    kb = k * fk(beta), vb = v * fv(beta)                                     per-token scalings (sympy)
+    normH = sqrt(sum(H^2, over a b)),  lam = ridge * normH
+    x = chebyshev_solve(H + lam * where(a == b, 1, 0), q, iterations = r, mu = lam, L = normH + lam)
+    qa = q + alpha * (x - q)    (or qa = x)
+    out o = scale * (U . qa over a)
+
+Derivations (sympy, shown by `--emit plan`): the chunked form of each scan (chunk-start states, intra-chunk decay
+masks exp(G_t - G_s) from cumulative gates), the Gram-matrix form of ||H_t||_F, the Chebyshev contraction rate
+rho = (L - mu) / (L + mu) as a function of the ridge alone (so one omega schedule serves every token), the
+scalings' derivatives for dbeta, and the backward by implicit differentiation with the ridge term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+
+from ncd import ir
+from ncd.errors import NcdError
+from ncd.families.recurrence.config import RecurrenceConfig
+from ncd.family import Decline
+from ncd.pipeline import FrontEnd
+from ncd.source import origin_name
+from ncd.symbolic import ARITHMETIC, to_sympy
+
+
+class UnsupportedRecurrence(NcdError):
+    code = "unsupported"
+    template = "{detail}"
+
+
+BETA = sympy.Symbol("bt", real=True)  # the per-token scaling input inside the kernels
+RIDGE = sympy.Symbol("a", positive=True)
+NORM = sympy.Symbol("n", positive=True)
+
+
+@dataclass(frozen=True)
+class RecurrenceRoles:
+    q: str
+    k: str
+    v: str
+    g: str
+    beta: str | None
+    alpha: str | None
+    scale: str | None
+    output: str
+    batch: str
+    time: str
+    head: str
+    kdim: str
+    kcol: str
+    vdim: str
+    H: str
+    U: str
+
+
+@dataclass(frozen=True)
+class RecurrencePlan:
+    roles: RecurrenceRoles
+    ridge: float
+    iterations: int
+    key_scale: sympy.Expr  # in BETA
+    value_scale: sympy.Expr
+    rho: sympy.Expr  # in RIDGE
+    origins: dict[str, str] = field(compare=False)
+    output_factor: float = 1.0  # constant factors of the output beside the scale input (the op multiplies them in)
+    # What the plan decides for the kernels (config.py); the generated module embeds it, precisions left None (by
+    # input dtype) for NCD_GKA_DOT_PRECISION / NCD_GKA_GRAD_PRECISION at import. None: from the fields above.
+    config: RecurrenceConfig = field(default=None)  # type: ignore[assignment]
+    family = "recurrence"
+
+    def __post_init__(self) -> None:
+        if self.config is None:
+            object.__setattr__(self, "config", RecurrenceConfig(
+                iterations=self.iterations, ridge=self.ridge, output_factor=float(self.output_factor),
+                scaling_input=self.roles.beta is not None))
+
+    @property
+    def output(self) -> str:
+        return self.roles.output
+
+    def describe(self) -> list[str]:
+        r = self.roles
+        return [
+            "kernel family: gated outer-product recurrence with a ridge solve (Gated KalmaNet)",
+            f"  roles: queries {r.q}, keys {r.k}, values {r.v}, log gate {r.g}, scaling {r.beta or '-'}, "
+            f"alpha {r.alpha or '-'}, scale {r.scale or '1'}"
+            f"{f' times {self.output_factor:g}' if self.output_factor != 1.0 else ''}; scan over '{r.time}', "
+            f"per ({r.batch}, {r.head})",
+            f"  states: {r.H}[{r.kdim} {r.kcol}] = sum_s exp(G_t - G_s) kb_s kb_s^T  ({self.origins['H']}),  "
+            f"{r.U}[{r.vdim} {r.kdim}] = sum_s exp(G_t - G_s) vb_s kb_s^T  ({self.origins['U']})",
+            f"  scalings: kb = {r.k} * ({self.key_scale}),  vb = {r.v} * ({self.value_scale})  [bt = {r.beta}]",
+            "chunked form (chunk C; G = cumulative log gate inside a chunk; D[t, s] = exp(G_t - G_s) for s <= t):",
+            "  pass 1 (sequential over chunks, both states in one launch): chunk-start states H_0 [K, K], S_0 = U_0^T"
+            " [K, V] (fp16 tiles over power-of-two scales for the default fp16 products, else fp32); the H scan also"
+            " emits kb^T H_0 kb and ||H_0||^2 for the norm",
+            "  pass 2 (parallel over chunks): H_t x = exp(G_t) H_0 x + ((x Kb^T) o D) Kb   (H_t never formed)",
+            "    ||H_t||^2 = exp(2 G_t) ||H_0||^2 + 2 exp(G_t) rowsum(D diag(kb^T H_0 kb)) + rowsum(D o (D (G o G))),"
+            " G = Kb Kb^T  (Gram form)",
+            f"    lambda_t = {self.ridge:g} ||H_t||,  rho = (L - mu)/(L + mu) = {self.rho} = "
+            f"{float(self.rho.subs(RIDGE, self.ridge)):.6f} for every token: one omega schedule",
+            f"    {self.iterations} Chebyshev steps on all C tokens at once, 3 matrix products each; "
+            "o = scale (exp(G_t) qa S_0 + ((qa Kb^T) o D) Vb)",
+            "backward (implicit differentiation, papers/gated-kalmanet.txt eq. 6-10, 23):",
+            "  dqa = scale S_t do;  dx = alpha dqa;  z = CH(H_t + lambda_t I, dx);  dq = (1 - alpha) dqa + z",
+            "  dH_t = -z_t x_t^T - c_t H_t,  c_t = a (x_t . z_t) / ||H_t||;  dS_t = scale qa_t do_t^T",
+            "  reverse scan over chunks of the accumulated dH, dS; per chunk dkb = (L + L^T) kb + P vb, dvb = P^T kb",
+            "  with the ridge term unrolled: -2 (beta_j H_0 kb_j + ((M diag(c) M^T) o G) Kb)",
+            f"  dg = reverse cumsum of <dH_t, H_t> - kb^T L kb + <dS_t, S_t> - kb^T P vb;  d{r.beta or 'beta'} via "
+            f"d/dbt: ({sympy.diff(self.key_scale, BETA)}), ({sympy.diff(self.value_scale, BETA)})",
+            "kernels: forward 3 launches (both state scans; the norm; the solve, with the output in its epilogue); "
+            "backward 8 (state recompute; right-hand side; solve; ridge terms; both reverse scans; 3 gradient "
+            "kernels), static in ncd/families/recurrence/kernel.py; the spec's scalings enter as constexpr device "
+            "functions",
+            *self.config.describe(),
+        ]
+
+    def render(self, program: ir.Program, op_id: str) -> str:
+        from ncd.families.recurrence.render import render_recurrence_module
+
+        return render_recurrence_module(program, self, op_id)
+
+    def validation_sizes(self, program: ir.Program) -> dict[str, int]:
+        r = self.roles
+        sizes = {r.batch: 2, r.time: 37, r.head: 2}
+        for axis in (r.kdim, r.kcol, r.vdim):
+            sizes[axis] = program.axis(axis).fixed or 24
+        return sizes
+
+    def constant_inputs(self) -> frozenset[str]:
+        return frozenset()
+
+    def condition_inputs(self, program: ir.Program, inputs: dict, generator=None) -> dict:
+        """Draws in the layer's domain: unit q and k, log gates <= 0, beta and alpha in (0, 1)."""
+        import torch
+
+        r = self.roles
+        out = dict(inputs)
+        for name in (r.q, r.k):
+            out[name] = torch.nn.functional.normalize(inputs[name].float(), dim=-1).to(inputs[name].dtype)
+        out[r.g] = torch.nn.functional.logsigmoid(inputs[r.g].float() + 3.0).to(inputs[r.g].dtype)
+        for optional in (r.beta, r.alpha):
+            if optional is not None:
+                out[optional] = torch.sigmoid(inputs[optional].float()).to(inputs[optional].dtype)
+        return out
+
+    # 16-bit inputs (and NCD_GKA_DOT_PRECISION fp16, bf16 or tf32) multiply 10-bit-mantissa operands (scaled
+    # fp16 in the solve), and the solve's sensitivity to that rounding is about 2^-11 / ridge (kappa <= 1 + 1 /
+    # ridge), reached on a sequence's first tokens. fp32 inputs get fp32 products ("ieee") by default: their
+    # error is the fp32 rounding's, 2^-24 / ridge, with a margin (measured per token on the interpreter: o 2e-5,
+    # gradients up to 2.3e-4 for dg, whose reverse sum cancels).
+    @property
+    def output_tolerance(self) -> dict[str, float]:
+        bound = 2.0 ** -11 / self.ridge
+        fp32 = 2.0 ** -20 / self.ridge if _fp32_products() else bound
+        return {"float32": fp32, "bfloat16": max(1e-2, bound), "float16": max(5e-3, bound)}
+
+    # the gradients combine two solves' rounding (x and the adjoint z), hence twice the output's bound (`ncd
+    # check`'s reference differentiates the solve implicitly too, so the iteration's convergence is not in it)
+    @property
+    def gradient_tolerance(self) -> dict[str, float]:
+        bound = 2.0 ** -10 / self.ridge
+        fp32 = 1e-3 if _fp32_products() else max(2e-2, bound)
+        return {"float32": fp32, "bfloat16": max(3e-2, bound), "float16": max(3e-2, bound)}
+
+
+def _fp32_products() -> bool:
+    """Whether fp32 inputs run fp32-class products (the default, or NCD_GKA_DOT_PRECISION tf32x3 / ieee)."""
+    from ncd.settings import settings
+
+    return settings().gka_dot_precision in (None, "tf32x3", "ieee")
+
+
+# --- recognition --------------------------------------------------------------------------------------------
+
+
+def plan_recurrence(front: FrontEnd, bindings: dict[str, int]) -> RecurrencePlan | Decline:
+    program = front.program
+    if not any(isinstance(n, ir.Scan) for d in program.definitions for n in ir.walk(d.value)):
+        return Decline("the spec has no scan (a gated recurrence over time)")
+    try:
+        return _Recognizer(program).run()
+    except NcdError as err:
+        raise err.with_source(front.source) from None
+
+
+def _fail(node_or_span: object, detail: str, hint: str | None = None) -> UnsupportedRecurrence:
+    span = getattr(node_or_span, "span", node_or_span)
+    return UnsupportedRecurrence(span, detail=detail, hint=hint)  # type: ignore[arg-type]
+
+
+class _Recognizer:
+    def __init__(self, program: ir.Program) -> None:
+        self.program = program
+        self.lets = {d.tensor: d for d in program.definitions}
+        self.file = origin_name(program.source.filename)
+        self.claimed: list[str] = []  # the definitions the plan computes (every load in them is checked)
+
+    def origin(self, name: str) -> str:
+        return f"{self.file}:{self.lets[name].span.line}"
+
+    def let_of(self, node: ir.Node, what: str, at: object) -> tuple[str, ir.Node]:
+        if not (isinstance(node, ir.Load) and node.tensor in self.lets):
+            raise _fail(at, f"expected {what} to be a tensor defined in the spec")
+        return node.tensor, self.lets[node.tensor].value
+
+    def input_of(self, node: ir.Node, what: str) -> str:
+        if not (isinstance(node, ir.Load) and self.program.tensor(node.tensor).role == "in"):
+            raise _fail(node, f"expected {what} to be a declared input")
+        return node.tensor
+
+    def run(self) -> RecurrencePlan:
+        outputs = self.program.outputs
+        if len(outputs) != 1:
+            raise _fail(outputs[-1].span if outputs else None, "the recurrence family compiles one output")
+        out = outputs[0].name
+        value, scale, output_factor = self.output_factors(self.lets[out].value)
+        if not (isinstance(value, ir.Contract) and len(value.over) == 1):
+            raise _fail(value, "expected the output to be `scale * (U . qa over kdim)`: a state read by a vector")
+        sides = [value.lhs, value.rhs]
+        states = [s for s in sides if isinstance(s, ir.Load) and isinstance(self.lets.get(s.tensor, None) and
+                                                                              self.lets[s.tensor].value, ir.Scan)]
+        if len(states) != 1:
+            raise _fail(value, "expected one side of the output contraction to be a scanned state (`scan(...)`)")
+        u_name = states[0].tensor
+        qa_name, qa_value = self.let_of(sides[1] if sides[0] is states[0] else sides[0], "the query side", value)
+        kdim = value.over[0]
+
+        x_name, q_name, alpha = self.alpha_connection(qa_name, qa_value)
+        solve = self.lets[x_name].value
+        assert isinstance(solve, ir.ChebyshevSolve)
+        h_name, lam_name, norm_name, ridge = self.ridge_system(solve, q_name)
+        h_scan, u_scan = self.lets[h_name].value, self.lets[u_name].value
+        assert isinstance(h_scan, ir.Scan) and isinstance(u_scan, ir.Scan)
+        g_h, kb1, kb2 = self.gated_outer(h_scan, h_name)
+        g_u, vb, kb3 = self.gated_outer(u_scan, u_name)
+        if g_h != g_u:
+            raise _fail(u_scan, f"the two scans must share one gate; {h_name} uses {g_h}, {u_name} uses {g_u}")
+        if not (kb1.tensor == kb2.tensor == kb3.tensor):
+            raise _fail(h_scan, f"expected {h_name} = scan(exp(g) * prev + kb * kb[...]) and {u_name} = "
+                        "scan(exp(g) * prev + vb * kb) with the same kb")
+        self.claimed = [n for n in (qa_name, x_name, h_name, u_name, lam_name, norm_name, kb1.tensor, vb.tensor)
+                        if n in self.lets]
+        k_name, beta1, key_scale = self.scaled_input(kb1.tensor)
+        v_name, beta2, value_scale = self.scaled_input(vb.tensor)
+        beta: str | None = beta1 or beta2
+        if beta1 and beta2 and beta1 != beta2:
+            raise _fail(self.lets[vb.tensor], f"keys and values must be scaled by one input; got {beta1}, {beta2}")
+
+        q_decl = self.program.tensor(q_name)
+        q_axes = q_decl.axes
+        if len(q_axes) != 4 or q_axes[3] != kdim:
+            raise _fail(q_decl.span, f"declare {q_name} as [batch time head {kdim}] (fla's layout)")
+        if h_scan.over != u_scan.over:
+            raise _fail(u_scan, f"the two scans must run over one axis; {h_name} scans '{h_scan.over}', "
+                        f"{u_name} scans '{u_scan.over}'")
+        scan_axis = h_scan.over
+        if scan_axis not in q_axes[:3]:
+            raise _fail(h_scan, f"the scans run over '{scan_axis}', which {q_name} does not carry: expected "
+                        f"{q_name}[batch {scan_axis} head {kdim}]")
+        if q_axes[1] != scan_axis:
+            layout = " ".join(q_axes)
+            head_first = " (head-first)" if q_axes.index(scan_axis) == 2 else ""
+            raise _fail(q_decl.span, f"{q_name} is declared [{layout}]{head_first}, but the recurrence family "
+                        f"takes fla's layout [batch time head dim], the scanned axis '{scan_axis}' second",
+                        hint=f"declare the inputs as [{q_axes[0] if q_axes[0] != scan_axis else q_axes[1]} "
+                        f"{scan_axis} {q_axes[2] if q_axes[2] != scan_axis else q_axes[1]} dim]")
+        batch, time, head = q_axes[:3]
+        kcol = solve.over
+        vdim = next((a for a in self.program.tensor(u_name).axes if a not in (batch, time, head, kdim)), None)
+        if vdim is None:
+            raise _fail(self.lets[u_name], f"expected {u_name}[{batch} {time} {head} vdim {kdim}]: the values' "
+                        "axis is missing")
+        for name, axes in ((k_name, (batch, time, head, kdim)), (v_name, (batch, time, head, vdim)),
+                           (g_h, (batch, time, head)), (beta, (batch, time, head)), (alpha, (batch, time, head))):
+            if name is not None and self.program.tensor(name).axes != axes:
+                raise _fail(self.program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (fla layout)")
+        roles_by_name: dict[str, str] = {}
+        for role, name in (("queries", q_name), ("keys", k_name), ("values", v_name), ("log gate", g_h),
+                           ("scaling", beta), ("alpha", alpha), ("scale", scale)):
+            if name is not None and roles_by_name.setdefault(name, role) != role:
+                raise _fail(self.program.tensor(name).span, f"{name} serves as both the {roles_by_name[name]} "
+                            f"and the {role} of the recurrence; each role needs an input of its own")
+        for t in self.program.inputs:
+            if t.name not in roles_by_name:
+                raise _fail(t.span, f"{t.name} has no role in the recurrence (queries, keys, values, log gate, "
+                            "scaling, alpha, scale): the family would ignore it")
+        if self.program.params:
+            param = self.program.params[0]
+            raise _fail(param.span, f"the recurrence family takes no parameters; {param.name} would be ignored")
+        self.check_addressing(out, (batch, time, head), {
+            h_name: {(batch, time, head, kdim), (batch, time, head, kcol)},
+            u_name: {(batch, time, head, vdim), (batch, time, head, kdim)}})
+        self.check_state_axes(h_name, h_scan, (batch, time, head), {kdim, kcol})
+        self.check_state_axes(u_name, u_scan, (batch, time, head), {vdim, kdim})
+        rho = sympy.simplify(((NORM + RIDGE * NORM) - RIDGE * NORM) / ((NORM + RIDGE * NORM) + RIDGE * NORM))
+        if rho.has(NORM):
+            raise _fail(solve, "the Chebyshev contraction rate depends on the token; expected mu = lam, "
+                        "L = normH + lam")
+        roles = RecurrenceRoles(q=q_name, k=k_name, v=v_name, g=g_h, beta=beta, alpha=alpha, scale=scale,
+                                output=out, batch=batch, time=time, head=head, kdim=kdim, kcol=kcol, vdim=vdim,
+                                H=h_name, U=u_name)
+        origins = {"H": self.origin(h_name), "U": self.origin(u_name), "norm": self.origin(norm_name),
+                   "lam": self.origin(lam_name), "solve": self.origin(x_name), "qa": self.origin(qa_name),
+                   "output": self.origin(out),
+                   "key_scale": self.origin(kb1.tensor) if kb1.tensor in self.lets else self.origin(h_name),
+                   "value_scale": self.origin(vb.tensor) if vb.tensor in self.lets else self.origin(u_name),
+                   "scale": (f"{self.file}:{self.program.tensor(scale).span.line}" if scale else self.origin(out))}
+        return RecurrencePlan(roles=roles, ridge=ridge, iterations=solve.iterations, key_scale=key_scale,
+                              value_scale=value_scale, rho=rho, origins=origins, output_factor=output_factor)
+
+    # -- pieces --
+
+    def output_factors(self, value: ir.Node) -> tuple[ir.Node, str | None, float]:
+        """The output as a product: the state read (a contraction), at most one scalar input (the scale) and
+        constant factors, whose product is returned (honoured by the op, never dropped)."""
+        factors = _product_factors(value)
+        contracts = [f for f in factors if isinstance(f, ir.Contract)]
+        if len(contracts) != 1:
+            raise _fail(value, "expected the output to be `scale * (U . qa over kdim)`: a state read by a vector")
+        scale: str | None = None
+        constant = 1.0
+        for factor in factors:
+            if factor is contracts[0]:
+                continue
+            number = _number(factor)
+            if number is not None:
+                constant *= number
+                continue
+            name = self.input_of(factor, "the output's scale factor")
+            axes = self.program.tensor(name).axes
+            if axes or scale is not None:
+                raise _fail(factor, f"expected one scalar scale input beside the state read; {name} "
+                            + (f"carries axes [{' '.join(axes)}]" if axes else "is a second one"))
+            scale = name
+        if constant == 0.0 or constant != constant:
+            raise _fail(value, f"the output's constant factor is {constant:g}")
+        return contracts[0], scale, constant
+
+    def check_addressing(self, out: str, token_axes: tuple[str, str, str],
+                         update_axes: dict[str, set[tuple[str, ...]]]) -> None:
+        """Every load in the claimed definitions reads one token's row as declared: no index expressions, no
+        relabelled batch, time or head; the two factors of each state update span the state's two axes."""
+        claimed = [out, *self.claimed]
+        for name in claimed:
+            for node in ir.walk(self.lets[name].value):
+                if not isinstance(node, ir.Load):
+                    continue
+                declared = self.program.tensor(node.tensor).axes
+                addressed = tuple(i.axis for i in node.index)
+                if any(i.index is not None for i in node.index) or (
+                        declared and addressed[:3] != token_axes):
+                    raise _fail(node, f"expected {node.tensor} read per token as [{' '.join(token_axes)} ...]; "
+                                f"it is read as [{' '.join(str(a) for a in addressed)}]")
+        for name, expected in update_axes.items():
+            scan = self.lets[name].value
+            assert isinstance(scan, ir.Scan)
+            body = scan.body
+            assert isinstance(body, ir.Binary)
+            update = body.rhs if any(isinstance(n, ir.Prev) for n in ir.walk(body.lhs)) else body.lhs
+            assert isinstance(update, ir.Binary)
+            got = {tuple(update.lhs.axes), tuple(update.rhs.axes)}
+            if got != expected or len(got) != 2:
+                raise _fail(update, f"expected {name}'s update to be an outer product over "
+                            f"{' and '.join(sorted(a[-1] for a in expected))}; its factors carry "
+                            + " and ".join(f"[{' '.join(a)}]" for a in sorted(got)))
+
+    def check_state_axes(self, name: str, scan: ir.Scan, token_axes: tuple[str, str, str],
+                         state_axes: set[str]) -> None:
+        axes = self.program.tensor(name).axes
+        if len(axes) != 5 or axes[:3] != token_axes or set(axes[3:]) != state_axes:
+            raise _fail(self.lets[name], f"declare {name} as [{' '.join(token_axes)} "
+                        f"{' '.join(sorted(state_axes))}] (in either order of the last two)")
+
+    def alpha_connection(self, qa_name: str, value: ir.Node) -> tuple[str, str, str | None]:
+        """qa = q + alpha (x - q) or qa = x, with x a Chebyshev solve whose right-hand side is q."""
+        loads = {n.tensor: n for n in ir.walk(value) if isinstance(n, ir.Load)}
+        solves = [t for t in loads if t in self.lets and isinstance(self.lets[t].value, ir.ChebyshevSolve)]
+        if len(solves) != 1:
+            raise _fail(self.lets[qa_name], f"expected {qa_name} to read one `chebyshev_solve` result")
+        x_name = solves[0]
+        solve = self.lets[x_name].value
+        assert isinstance(solve, ir.ChebyshevSolve)
+        q_name = self.input_of(solve.rhs, "the solve's right-hand side")
+        if value == loads[x_name] and len(loads) == 1:
+            return x_name, q_name, None
+        others = [t for t in loads if t not in (x_name, q_name)]
+        if len(others) != 1 or self.program.tensor(others[0]).role != "in":
+            raise _fail(self.lets[qa_name], f"expected {qa_name} = {q_name} + alpha * ({x_name} - {q_name})")
+        alpha = others[0]
+        expr = _elementwise_sympy(value)
+        sx, sq, sa = (sympy.Symbol(n) for n in (x_name, q_name, alpha))
+        if sympy.simplify(expr - (sq + sa * (sx - sq))) != 0:
+            raise _fail(self.lets[qa_name], f"expected {qa_name} = {q_name} + {alpha} * ({x_name} - {q_name}) "
+                        "(the alpha-connection)")
+        return x_name, q_name, alpha
+
+    def ridge_system(self, solve: ir.ChebyshevSolve, q_name: str) -> tuple[str, str, str, float]:
+        """matrix = H + lam * where(row == col, 1, 0), lam = ridge * normH, normH = sqrt(sum(H^2)), mu = lam,
+        L = normH + lam."""
+        m = solve.matrix
+        if not (isinstance(m, ir.Binary) and m.op == "+"):
+            raise _fail(m, "expected the solve's matrix to be `H + lam * where(kdim == kcol, 1, 0)`")
+        h_side, ridge_side = (m.lhs, m.rhs) if isinstance(m.lhs, ir.Load) else (m.rhs, m.lhs)
+        h_name, h_value = self.let_of(h_side, "the solve's matrix H", m)
+        if not isinstance(h_value, ir.Scan):
+            raise _fail(h_side, f"expected {h_name} to be a scanned state")
+        if not (isinstance(ridge_side, ir.Binary) and ridge_side.op == "*"):
+            raise _fail(ridge_side, "expected `lam * where(kdim == kcol, 1, 0)` (a ridge on the diagonal)")
+        lam_side, eye = (ridge_side.lhs, ridge_side.rhs) if isinstance(ridge_side.rhs, ir.Where) else \
+            (ridge_side.rhs, ridge_side.lhs)
+        state_axes = set(self.program.tensor(h_name).axes[-2:])
+        if not (isinstance(eye, ir.Where) and isinstance(eye.cond, ir.Binary) and eye.cond.op == "==" and
+                _number(eye.then) == 1 and _number(eye.otherwise) == 0):
+            raise _fail(ridge_side, "expected the identity as `where(kdim == kcol, 1, 0)`")
+        compared = {getattr(side, "axis", None) for side in (eye.cond.lhs, eye.cond.rhs)
+                    if isinstance(side, ir.AxisIndex)}
+        if compared != state_axes or len(compared) != 2:
+            raise _fail(eye.cond, f"expected the identity over {h_name}'s two state axes: "
+                        f"`where({' == '.join(sorted(state_axes))}, 1, 0)`")
+        lam_name, lam_value = self.let_of(lam_side, "the ridge lambda", ridge_side)
+        factors = _product_factors(lam_value)
+        numbers = [_number(f) for f in factors]
+        rest = [f for f, n in zip(factors, numbers, strict=True) if n is None]
+        ridge = 1.0
+        for n in numbers:
+            ridge *= n if n is not None else 1.0
+        if len(rest) != 1 or len(rest) == len(factors) or not ridge > 0:
+            raise _fail(self.lets[lam_name], f"expected {lam_name} = ridge * normH with a positive constant ridge")
+        norm_side = rest[0]
+        norm_name, norm_value = self.let_of(norm_side, "||H||_F", lam_value)
+        if not (isinstance(norm_value, ir.Unary) and norm_value.fn == "sqrt" and isinstance(norm_value.arg, ir.Reduce)
+                and norm_value.arg.op == "sum" and isinstance(norm_value.arg.arg, ir.Pow)
+                and norm_value.arg.arg.exponent == 2 and isinstance(norm_value.arg.arg.base, ir.Load)
+                and norm_value.arg.arg.base.tensor == h_name and set(norm_value.arg.over) == state_axes
+                and len(norm_value.arg.over) == 2):
+            raise _fail(self.lets[norm_name], f"expected {norm_name} = sqrt(sum({h_name}^2, over both state axes)): "
+                        "the Frobenius norm")
+        if not (isinstance(solve.mu, ir.Load) and solve.mu.tensor == lam_name):
+            raise _fail(solve, f"expected mu = {lam_name}")
+        lip = solve.lipschitz
+        if not (isinstance(lip, ir.Binary) and lip.op == "+" and
+                {getattr(lip.lhs, "tensor", None), getattr(lip.rhs, "tensor", None)} == {norm_name, lam_name}):
+            raise _fail(solve, f"expected L = {norm_name} + {lam_name} (the spectrum bound of H + lam I)")
+        return h_name, lam_name, norm_name, ridge
+
+    def gated_outer(self, scan: ir.Scan, name: str) -> tuple[str, ir.Load, ir.Load]:
+        """exp(g) * prev + a * b with g an input per token and a, b per-token vectors on different axes."""
+        if scan.init is not None:
+            raise _fail(scan, "initial states come from the op's `initial_state` argument, not the spec")
+        body = scan.body
+        if not (isinstance(body, ir.Binary) and body.op == "+"):
+            raise _fail(body, f"expected {name} = scan(exp(g) * prev + a * b, over time)")
+        decay, update = (body.lhs, body.rhs) if any(isinstance(n, ir.Prev) for n in ir.walk(body.lhs)) else \
+            (body.rhs, body.lhs)
+        if sum(isinstance(n, ir.Prev) for n in ir.walk(body)) != 1 or any(
+                isinstance(n, ir.Prev) for n in ir.walk(update)):
+            raise _fail(body, f"expected {name} = scan(exp(g) * prev + a * b, over time): `prev` once, in the decay")
+        if not (isinstance(decay, ir.Binary) and decay.op == "*" and
+                (isinstance(decay.lhs, ir.Prev) or isinstance(decay.rhs, ir.Prev))):
+            raise _fail(decay, "expected the decay `exp(g) * prev`")
+        gate = decay.lhs if isinstance(decay.rhs, ir.Prev) else decay.rhs
+        if not (isinstance(gate, ir.Unary) and gate.fn == "exp"):
+            raise _fail(gate, "expected a gate exp(g) with g a natural-log gate input (fla convention)")
+        g_name = self.input_of(gate.arg, "the log gate")
+        if not (isinstance(update, ir.Binary) and update.op == "*" and isinstance(update.lhs, ir.Load)
+                and isinstance(update.rhs, ir.Load)):
+            raise _fail(update, "expected the update to be an outer product `a * b[...]` of two per-token vectors")
+        return g_name, update.lhs, update.rhs
+
+    def scaled_input(self, name: str) -> tuple[str, str | None, sympy.Expr]:
+        """name = x * f(s): an input vector times a function of a per-token scalar input (or a constant)."""
+        if self.program.tensor(name).role == "in":
+            return name, None, sympy.Integer(1)
+        value = self.lets[name].value
+        loads = {n.tensor for n in ir.walk(value) if isinstance(n, ir.Load)}
+        vectors = [t for t in loads if len(self.program.tensor(t).axes) == 4]
+        scalars = [t for t in loads if t not in vectors]
+        if len(vectors) != 1 or len(scalars) > 1 or any(self.program.tensor(t).role != "in" for t in loads):
+            raise _fail(self.lets[name], f"expected {name} = x * f(s) with x a [batch time head dim] input and s a "
+                        "per-token input")
+        expr = _elementwise_sympy(value)
+        x = sympy.Symbol(vectors[0])
+        factor = sympy.simplify(expr / x)
+        if factor.has(x):
+            raise _fail(self.lets[name], f"expected {name} to be linear in {vectors[0]}")
+        if scalars:
+            factor = factor.subs(sympy.Symbol(scalars[0]), BETA)
+        return vectors[0], (scalars[0] if scalars else None), factor
+
+
+def _product_factors(node: ir.Node) -> list[ir.Node]:
+    """The factors of a product tree `a * (b * c)`; a negation contributes the factor -1."""
+    if isinstance(node, ir.Binary) and node.op == "*":
+        return _product_factors(node.lhs) + _product_factors(node.rhs)
+    if isinstance(node, ir.Unary) and node.fn == "neg" and _number(node) is None:
+        return [ir.Const(-1.0, node.span), *_product_factors(node.arg)]
+    return [node]
+
+
+def _number(node: ir.Node) -> float | None:
+    if isinstance(node, ir.Const):
+        return node.value
+    if isinstance(node, ir.Unary) and node.fn == "neg":
+        inner = _number(node.arg)
+        return None if inner is None else -inner
+    return None
+
+
+_PER_TOKEN_ARITHMETIC = {op: ARITHMETIC[op] for op in "+-*/"}
+
+
+def _elementwise_sympy(node: ir.Node) -> sympy.Expr:
+    """An element-wise expression with every load as a symbol named after its tensor."""
+
+    def leaf(n: ir.Node) -> sympy.Expr | None:
+        if isinstance(n, ir.Load):
+            return sympy.Symbol(n.tensor)
+        if isinstance(n, ir.Const):
+            return None  # the number
+        raise _fail(n, f"{type(n).__name__} is not supported in a per-token expression of the recurrence family")
+
+    return to_sympy(node, leaf=leaf, arithmetic=_PER_TOKEN_ARITHMETIC)

@@ -1,0 +1,77 @@
+"""Code generation for the recurrence family (Gated KalmaNet): the spec's hooks and config for the static kernels
+of kernel.py (templates/recurrence.py.jinja), then the PyTorch op (templates/recurrence_op.py.jinja).
+Spec-derived pieces are the per-token scalings and their derivatives (sympy, printed as Triton device functions),
+the contraction rate, the plan's config (ridge, iteration count, output factor, precisions, tiles) and the scale
+default."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import fields
+
+import sympy
+
+from ncd import ir
+from ncd.codegen.shared import CodegenError, default_code, environment
+from ncd.families.recurrence.plan import BETA, RIDGE, RecurrencePlan
+from ncd.source import origin_name
+from ncd.symbolic import triton_expr
+
+
+def _device_expr(expr: sympy.Expr) -> str:
+    """A scaling as Triton source in `bt`, broadcast to bt's shape when it is constant."""
+    text = triton_expr(expr)
+    tree = ast.parse(text, mode="eval")
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    if not names <= {"bt", "tl"}:
+        raise CodegenError(f"unexpected names {names - {'bt', 'tl'}} in {text!r}")
+    return text if "bt" in names else f"tl.full(bt.shape, {text}, tl.float32)"
+
+
+def render_recurrence_module(program: ir.Program, plan: RecurrencePlan, op_id: str) -> str:
+    r = plan.roles
+    env = environment()
+    ks, vs = plan.key_scale, plan.value_scale
+    rho_python = sympy.pycode(plan.rho.subs(RIDGE, sympy.Symbol("a")))
+    config = plan.config
+    kernels = env.get_template("recurrence.py.jinja").render(
+        spec_name=program.name, origin_file=origin_name(program.source.filename), roles=r,
+        origins=plan.origins, config_repr={f.name: repr(getattr(config, f.name)) for f in fields(config)},
+        key_scale=_device_expr(ks), key_scale_grad=_device_expr(sympy.diff(ks, BETA)),
+        value_scale=_device_expr(vs), value_scale_grad=_device_expr(sympy.diff(vs, BETA)),
+        key_scale_text=f"({ks})".replace("bt", r.beta or "1"), value_scale_text=f"({vs})".replace("bt", r.beta or "1"),
+        rho_text=str(plan.rho), rho_python=rho_python,
+    )
+    inputs = [t for t in program.inputs]
+    params = [t.name if t.default is None else f"{t.name}=None" for t in inputs]
+    required = [f"({t.name!r}, {t.name})" for t in inputs if t.default is None]
+    present = {"beta": r.beta is not None, "alpha": r.alpha is not None, "scale": r.scale is not None}
+    by_role = {r.q: "q", r.k: "k", r.v: "v", r.g: "g", r.beta: "beta", r.alpha: "alpha", r.scale: "scale"}
+    call_args = ", ".join(f"{by_role[t.name]}={t.name}" for t in inputs)
+    scale_input = program.tensor(r.scale) if r.scale else None
+    scale_default = "1.0" if scale_input is None else (
+        default_code(program, scale_input) if scale_input.default is not None else "None")
+    axes = {role: tuple(program.tensor(name).axes) for role, name in
+            (("q", r.q), ("k", r.k), ("v", r.v), ("g", r.g), ("o", r.output))}
+    axes["beta"] = tuple(program.tensor(r.beta).axes) if r.beta else (r.batch, r.time, r.head)
+    axes["alpha"] = tuple(program.tensor(r.alpha).axes) if r.alpha else (r.batch, r.time, r.head)
+    op = env.get_template("recurrence_op.py.jinja").render(
+        spec_name=program.name, op_id=op_id, origin_file=origin_name(program.source.filename), roles=_Roles(r),
+        origins=plan.origins, params=params, call_args=call_args, scale_default=scale_default, required=required,
+        present=present,
+        axes_table=repr({a.name: (a.fixed, a.factors) for a in program.axes}), axes=axes,
+    )
+    text = kernels + op
+    ast.parse(text)  # the templates must always produce valid Python
+    return text
+
+
+class _Roles:
+    """Role names for the op template; absent optional inputs print as their op argument names."""
+
+    def __init__(self, roles: object) -> None:
+        self._roles = roles
+
+    def __getattr__(self, name: str) -> str:
+        value = getattr(self._roles, name)
+        return value if value is not None else name

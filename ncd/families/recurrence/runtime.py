@@ -1,0 +1,300 @@
+"""The recurrence family's op (Gated KalmaNet) on the shared runtime, with fla's conventions.
+
+The generated module hands over its launchers `forward(q, k, v, g, beta, alpha, h_init, s_init, cu_seqlens, scale,
+ridge, num_iter, chunk, final, save) -> (o, h_fin, s_fin, x, norm)` and `backward(do, dh_fin, ds_fin, q, ..., x, norm,
+h_fin, s_fin, scale, ridge, num_iter, chunk) -> 8 gradients`, its `chunk_table`, the spec's input names and axes,
+and the scale's default. `GKAOp.chunk` checks a call, keeps non-finite inputs from spreading (NaN in, NaN out only
+where the math puts it) and runs the kernels through the shared runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import torch
+
+from ncd import runtime as rt
+from ncd.errors import CallError
+from ncd.op_runtime import Arg, KernelOp
+
+# A log gate below this is the same gate in fp32 (exp(g) underflows to 0 below about -104): the kernels take
+# g >= G_FLOOR, so that g = -inf (a full reset) forms no -inf - -inf in the decay exponents.
+G_FLOOR = -200.0
+CHUNK_SIZES = (16, 32, 64, 128)
+
+_ARGS = [Arg("q", grad=True), Arg("k", grad=True), Arg("v", grad=True), Arg("g", grad=True),
+         Arg("beta", "Tensor?", grad=True), Arg("alpha", "Tensor?", grad=True), Arg("h_init", "Tensor?", grad=True),
+         Arg("s_init", "Tensor?", grad=True), Arg("cu_seqlens", "Tensor?"), Arg("scale", "float"),
+         Arg("ridge", "float"), Arg("num_iter", "int"), Arg("chunk", "int"), Arg("final", "bool"),
+         Arg("save", "bool")]
+_RESULTS = ["o", "h_fin", "s_fin", "x", "norm"]  # x (the solve's solution) and norm: saved for the backward only
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The spec's names of the op's inputs (None: the spec has no such input) and each one's axes."""
+
+    q: str
+    k: str
+    v: str
+    g: str
+    beta: str | None
+    alpha: str | None
+    scale: str | None
+    axes: Mapping[str, tuple[str, ...]]  # role (q k v g beta alpha o) -> spec axes
+
+
+def _opt(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is not None and t.numel() > 0 else None
+
+
+class GKAOp:
+    """The chunked op: `chunk(...)` with fla's conventions, and `call_spec` for the function named after the spec."""
+
+    def __init__(self, spec_name: str, op_id: str, *, roles: Roles, axes: Mapping[str, tuple[int | None, tuple]],
+                 forward: Callable[..., Any], backward: Callable[..., Any], chunk_table: Callable[..., Any],
+                 output_factor: float, scale_default: Callable[[dict[str, int]], float | None], ridge: float,
+                 num_iter: int, chunk_size: int) -> None:
+        self.spec_name, self.roles, self.axes = spec_name, roles, axes
+        self.ridge, self.num_iter, self.chunk_size = ridge, num_iter, chunk_size  # the spec's and the plan's
+        self._launch_forward, self._launch_backward, self._chunk_table = forward, backward, chunk_table
+        self.output_factor, self.scale_default = output_factor, scale_default
+        self.op = KernelOp(f"ncd::{op_id}", spec_name, _ARGS, _RESULTS, differentiable=3, save_results=(3, 4, 1, 2),
+                           forward=self._forward, fake=self._fake, backward=self._backward,
+                           backward_fake=self._backward_fake)
+
+    # --- launchers in the runtime's conventions ----------------------------------------------------------------
+
+    def _forward(self, *args: Any) -> tuple:
+        o, h_fin, s_fin, x, norm = self._launch_forward(*args)
+        final = args[13]
+        if not final:  # distinct empty tensors (the runtime's): custom-op outputs may not alias each other
+            h_fin = s_fin = None
+        return o, h_fin, s_fin, x, norm
+
+    @staticmethod
+    def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: Any, alpha: Any, h_init: Any,
+              s_init: Any, cu_seqlens: Any, scale: float, ridge: float, num_iter: int, chunk: int, final: bool,
+              save: bool) -> tuple:
+        n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        heads, K, V = q.shape[2], q.shape[3], v.shape[3]
+        f32 = torch.float32
+        return (v.new_empty(v.shape), q.new_empty((n_seq, heads, K, K) if final else (0,), dtype=f32),
+                q.new_empty((n_seq, heads, K, V) if final else (0,), dtype=f32),
+                q.new_empty(q.shape if save else (0,), dtype=f32), q.new_empty(g.shape, dtype=f32))
+
+    def _backward(self, grads: tuple, saved: tuple, constants: tuple, needs: tuple, stash: Any) -> list:
+        do, dh_fin, ds_fin = grads
+        *inputs, x, norm, h_fin, s_fin = saved
+        scale, ridge, num_iter, chunk = constants[:4]
+        return list(self._launch_backward(do, _opt(dh_fin), _opt(ds_fin), *inputs, x, norm, _opt(h_fin),
+                                          _opt(s_fin), scale, ridge, num_iter, chunk))
+
+    @staticmethod
+    def _backward_fake(grads: tuple, saved: tuple, constants: tuple, needs: tuple) -> list:
+        q = saved[0]
+        return [torch.empty_like(t) if t is not None else q.new_empty(0) for t in saved[:8]]
+
+    # --- calls --------------------------------------------------------------------------------------------------
+
+    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: Any, alpha: Any,
+               initial_state: Any, cu_seqlens: Any, chunk_size: int) -> dict[str, int]:
+        r = self.roles
+        tensors = [(r.q, q, r.axes["q"]), (r.k, k, r.axes["k"]), (r.v, v, r.axes["v"]), (r.g, g, r.axes["g"])]
+        if beta is not None:
+            tensors.append((r.beta or "beta", beta, r.axes["beta"]))
+        if alpha is not None:
+            tensors.append((r.alpha or "alpha", alpha, r.axes["alpha"]))
+        sizes = rt.bind_axes(self.axes, tensors)
+        rt.check_floats([(name, t) for name, t, _ in tensors[:3]])
+        rt.check_floats([(name, t) for name, t, _ in tensors[3:]], same_dtype=False)
+        rt.check_device([(name, t) for name, t, _ in tensors])
+        if chunk_size not in CHUNK_SIZES:
+            raise CallError(None, detail=f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
+        if q.numel() >= 2**31 or v.numel() >= 2**31:
+            raise CallError(None, detail=f"{self.spec_name}: tensors too large for the kernels' 32-bit offsets")
+        n_seq = q.shape[0]
+        if cu_seqlens is not None:
+            if q.shape[0] != 1:
+                raise CallError(None, detail=f"with cu_seqlens, {r.q} must have batch 1 (packed), got {q.shape[0]}")
+            if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+                raise CallError(None, detail="cu_seqlens must be a 1-D int32/int64 tensor [N + 1]")
+            bounds = self._chunk_table(1, q.shape[1], cu_seqlens, chunk_size, q.device)[5]  # the one host read
+            if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(b < a for a, b in pairwise(bounds)):
+                raise CallError(None, detail=f"cu_seqlens must rise from 0 to {q.shape[1]} (the packed length), "
+                                f"got {bounds}")
+            n_seq = len(bounds) - 1
+        if initial_state is not None:
+            heads, K, V = q.shape[2], q.shape[3], v.shape[3]
+            h0, s0 = initial_state
+            for name, t, shape in (("initial_state[0]", h0, (n_seq, heads, K, K)),
+                                   ("initial_state[1]", s0, (n_seq, heads, K, V))):
+                if tuple(t.shape) != shape:
+                    raise CallError(None, detail=f"{name} must have shape {shape} [sequence head key key|value], "
+                                    f"got {tuple(t.shape)}")
+                rt.check_device([(r.q, q), (name, t)])
+        return sizes
+
+    def _check_presence(self, q: Any, k: Any, v: Any, g: Any, beta: Any, alpha: Any, scale: Any) -> None:
+        r = self.roles
+        for name, t in ((r.q, q), (r.k, k), (r.v, v), (r.g, g)):
+            if not isinstance(t, torch.Tensor):
+                raise CallError(None, detail=f"{self.spec_name}: {name} must be a tensor, got {type(t).__name__}")
+        for name, t, in_spec in (("beta", beta, r.beta is not None), ("alpha", alpha, r.alpha is not None)):
+            if t is not None and not in_spec:
+                raise CallError(None, detail=f"{self.spec_name}: the spec has no {name} input, so {name} must be "
+                                "None; it would be ignored")
+        if scale is not None and r.scale is None:
+            raise CallError(None, detail=f"{self.spec_name}: the spec has no scale input, so scale must be None; it "
+                            "would be ignored")
+
+    def chunk(self, q: Any, k: Any, v: Any, g: Any, beta: Any = None, alpha: Any = None, scale: Any = None,
+              ridge: float | None = None, num_iter: int | None = None, initial_state: Any = None,
+              output_final_state: bool = False, cu_seqlens: Any = None, chunk_size: int | None = None) -> tuple:
+        """The chunked op with fla's conventions. q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] natural-log gates
+        (<= 0; -inf is a full reset), beta / alpha [B, T, H] or None (no key/value scaling; alpha = 1; either must
+        be None where the spec has no such input). scale: a number or a one-element tensor (its gradient is
+        computed when it requires one). initial_state: (H [N, H, K, K], S [N, H, K, V]) fp32 or None. Returns
+        (o [B, T, H, V], final_state or None). A non-finite input makes NaN exactly the outputs it reaches
+        (guard_non_finite); double backward raises. ridge, num_iter, chunk_size: None takes the op's own."""
+        ridge = self.ridge if ridge is None else ridge
+        num_iter = self.num_iter if num_iter is None else num_iter
+        chunk_size = self.chunk_size if chunk_size is None else chunk_size
+        self._check_presence(q, k, v, g, beta, alpha, scale)
+        sizes = self._check(q, k, v, g, beta, alpha, initial_state, cu_seqlens, chunk_size)
+        if scale is None:
+            scale = self.scale_default(sizes)
+        if scale is None:
+            raise CallError(None, detail=f"{self.spec_name}: scale is required (the spec gives it no default)")
+        scale_tensor = None  # a scale with a gradient to compute: the kernels run at scale 1, the product is autograd's
+        if isinstance(scale, torch.Tensor):
+            if scale.numel() != 1:
+                raise CallError(None, detail=f"{self.spec_name}: scale must be a number or a one-element tensor, got "
+                                f"shape {tuple(scale.shape)}")
+            if scale.requires_grad and torch.is_grad_enabled():
+                scale_tensor, scale = scale.reshape(()), 1.0
+        scale = float(scale) * self.output_factor
+        packed = cu_seqlens is not None
+        bounds = self._chunk_table(1, q.shape[1], cu_seqlens, chunk_size, q.device)[5] if packed else None
+        given = (q, k, v, g, beta, alpha)
+        q, k, v, g, beta, alpha, poisoned, seq_poisoned = guard_non_finite(q, k, v, g, beta, alpha, bounds, packed)
+        h_init, s_init = initial_state if initial_state is not None else (None, None)
+        contig = [t.contiguous() if t is not None else None for t in (q, k, v, g, beta, alpha)]
+        inits = [t.float().contiguous() if t is not None else None for t in (h_init, s_init)]
+        # x is saved only for a backward: an inference call skips its store (T x H x K floats)
+        save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*contig, *inits))
+        o, h_fin, s_fin, _, _ = self.op(*contig, *inits, cu_seqlens, float(scale), float(ridge), int(num_iter),
+                                        int(chunk_size), bool(output_final_state), save)
+        if scale_tensor is not None:
+            o = o * scale_tensor.to(o.dtype)
+        if save and not torch.compiler.is_compiling():
+            o = NaNOutputs.apply(o, poisoned, bounds, packed, self.spec_name, *given, *(initial_state or (None, None)),
+                                 scale_tensor)
+        else:
+            o = torch.where(poisoned[..., None], float("nan"), o)
+        if not output_final_state:
+            return o, None
+        nan_states = seq_poisoned[..., None, None]
+        return o, (torch.where(nan_states, float("nan"), h_fin), torch.where(nan_states, float("nan"), s_fin))
+
+    def call_spec(self, required: Sequence[tuple[str, Any]], **inputs: Any) -> torch.Tensor:
+        """The function named after the spec: its inputs by role; those without a default must be given."""
+        for name, value in required:
+            if value is None:
+                raise CallError(None, detail=f"{self.spec_name}: {name} is required (the spec gives it no default)")
+        return self.chunk(**inputs)[0]
+
+
+# --- non-finite inputs ------------------------------------------------------------------------------------------
+
+
+def poisoned_from(bad: torch.Tensor, bounds: Any, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T, H] True from the first True of each sequence (and head) on; with `packed`, sequences are the
+    [bounds[n], bounds[n + 1]) ranges of time. Also [N, H]: whether sequence n has any True."""
+    count = bad.to(torch.int32).cumsum(1)
+    if not packed:
+        return count > 0, bad.any(1)
+    starts = torch.tensor(bounds[:-1], device=bad.device)
+    lengths = torch.tensor([hi - lo for lo, hi in pairwise(bounds)], device=bad.device)
+    before = torch.cat([count.new_zeros((1, 1, count.shape[2])), count], 1)  # before[:, t] = count up to t - 1
+    base = torch.repeat_interleave(before[:, starts], lengths, dim=1)
+    ends = torch.tensor(bounds[1:], device=bad.device)
+    return count - base > 0, (before[0, ends] - before[0, starts]) > 0
+
+
+def reached_from_later(hit: torch.Tensor, bounds: Any, packed: bool) -> torch.Tensor:
+    """[B, T, H] True at and before the last True of each sequence (and head): the tokens whose keys, values,
+    gates and betas a NaN output at a True token depends on."""
+    suffix = hit.to(torch.int32).flip(1).cumsum(1).flip(1)  # suffix[:, t] = count over [t, T)
+    if not packed:
+        return suffix > 0
+    after = torch.cat([suffix, suffix.new_zeros((1, 1, suffix.shape[2]))], 1)  # after[:, T] = 0
+    lengths = torch.tensor([hi - lo for lo, hi in pairwise(bounds)], device=hit.device)
+    ends = torch.tensor(bounds[1:], device=hit.device)
+    return suffix - torch.repeat_interleave(after[:, ends], lengths, dim=1) > 0
+
+
+class NaNOutputs(torch.autograd.Function):
+    """o with NaN at the poisoned tokens; backward: the clean tokens' gradient passes, and a NaN output that gets
+    a gradient (do != 0) makes NaN the gradients of exactly what it depends on: keys, values, gates and betas
+    of its sequence and head up to it, its own query and alpha, its sequence's initial states, a tensor scale.
+    Those NaNs are added to the gradients the kernels compute from the clean tokens."""
+
+    @staticmethod
+    def forward(ctx: Any, o: torch.Tensor, poisoned: torch.Tensor, bounds: Any, packed: bool,  # type: ignore[override]
+                name: str, *inputs: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(poisoned)
+        ctx.name = name
+        ctx.layout = (bounds, packed)
+        ctx.shapes = [None if t is None else (t.shape, t.dtype) for t in inputs]
+        return torch.where(poisoned[..., None], float("nan"), o)
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> Any:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph: the kernels' gradients are not differentiable
+            raise RuntimeError(f"{ctx.name}: double backward (create_graph=True) is not supported")
+        (poisoned,) = ctx.saved_tensors
+        hit = poisoned & (do != 0).any(-1)  # NaN != 0 too
+        state = reached_from_later(hit, *ctx.layout)
+        sequence_hit = poisoned_from(hit, *ctx.layout)[1]
+        # q, k, v, g, beta, alpha, h_init, s_init, scale
+        reach = [hit, state, state, state, state, hit, sequence_hit, sequence_hit, hit.any()]
+        grads: list[torch.Tensor | None] = []
+        for i, (shape_dtype, mask) in enumerate(zip(ctx.shapes, reach, strict=True)):
+            if shape_dtype is None or not ctx.needs_input_grad[5 + i]:
+                grads.append(None)
+                continue
+            shape, dtype = shape_dtype
+            mask = mask.reshape(tuple(mask.shape) + (1,) * (len(shape) - mask.dim()))
+            grads.append(torch.where(mask, float("nan"), 0.0).to(dtype).expand(shape))
+        return (torch.where(poisoned[..., None], 0.0, do), None, None, None, None, *grads)
+
+
+def guard_non_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: Any, alpha: Any,
+                     bounds: Any, packed: bool) -> tuple:
+    """NaN in, NaN out where the math puts it and nowhere else. A non-finite key, value, beta or a NaN / +inf gate
+    at token t breaks the states from t on: the outputs of its sequence and head from t on (and its final
+    states) are NaN; a non-finite query or alpha breaks its own output row only. The kernels see those tokens
+    as zeros (a dense chunk product would spread 0 * NaN to every row of the chunk); NaNOutputs sends NaN
+    gradients back where the math does. g = -inf (a full reset, exp(g) = 0) is legal: the kernels take it as
+    G_FLOOR, whose gradient is 0 as exp(g)'s is."""
+    # a row holds a NaN or an infinity exactly when its float64 sum is not finite (float64 cannot overflow on
+    # 16- or 32-bit entries): one read of each tensor, no [B, T, H, K] temporaries
+    state_bad = ~torch.isfinite(k.sum(-1, dtype=torch.float64) + v.sum(-1, dtype=torch.float64))
+    state_bad |= torch.isnan(g) | (g == float("inf"))
+    if beta is not None:
+        state_bad |= ~torch.isfinite(beta)
+    row_bad = ~torch.isfinite(q.sum(-1, dtype=torch.float64))
+    if alpha is not None:
+        row_bad |= ~torch.isfinite(alpha)
+    after, seq_bad = poisoned_from(state_bad, bounds, packed)
+
+    def zero(t: Any, bad: torch.Tensor) -> Any:
+        return t if t is None else torch.where(bad[..., None] if t.dim() == 4 else bad, 0.0, t).to(t.dtype)
+
+    g = zero(g, state_bad)
+    g = torch.where(g < G_FLOOR, G_FLOOR, g).to(g.dtype)
+    return (zero(q, row_bad | after), zero(k, state_bad), zero(v, state_bad), g, zero(beta, state_bad),
+            zero(alpha, row_bad | after), after | row_bad, seq_bad)
