@@ -490,6 +490,7 @@ def tune_spec(spec: str, shape_args: list[str], dtype_name: str = "bf16", backwa
 
     from . import load
     from .validate import random_inputs
+    from .validation_forms import forms_for
 
     out = out if out is not None else sys.stdout
     shapes = parse_shapes(shape_args)
@@ -512,9 +513,7 @@ def tune_spec(spec: str, shape_args: list[str], dtype_name: str = "bf16", backwa
         if axis.factors and axis.name not in shapes and any(f in shapes for f in axis.factors):
             sizes[axis.name] = math.prod(sizes[f] for f in axis.factors)
     inputs = random_inputs(op, kernel_plan, sizes, dtype, device)
-    condition = getattr(kernel_plan, "condition_inputs", None)  # families whose inputs have a domain
-    if condition is not None:
-        inputs = condition(program, inputs)
+    inputs = forms_for(op).condition(program, inputs, None)  # families whose inputs have a domain
     constants = kernel_plan.constant_inputs()
     leaves = {n: v.detach().requires_grad_(backward and n not in constants) for n, v in inputs.items()}
     where = device_identity()["name"] if device == "cuda" else device

@@ -58,16 +58,28 @@ class Row:
         return max(self.error / self.tolerance, self.row_error / self.row_tolerance)
 
 
+@dataclass
+class Drawn:
+    """What a case ran on, kept for notes that re-evaluate the reference (chebyshev_solve's)."""
+
+    inputs: dict[str, torch.Tensor]
+    differentiable: list[str]
+    grad_out: torch.Tensor
+    ref_grads: tuple[torch.Tensor, ...]
+
+
 class Report(list[Row]):
     """The rows, and notes that explain them without being checks (`ncd check` prints both)."""
 
-    def __init__(self, rows: list[Row], notes: list[str] | None = None):
+    def __init__(self, rows: list[Row], notes: list[str] | None = None, drawn: Drawn | None = None):
         super().__init__(rows)
         self.notes = notes or []
+        self.drawn = drawn
 
     def __iadd__(self, other: list[Row]) -> Report:  # type: ignore[override,misc]
         self.extend(other)
-        self.notes += getattr(other, "notes", [])
+        if isinstance(other, Report):
+            self.notes += other.notes
         return self
 
 
@@ -149,9 +161,7 @@ def run_case(op: Op, forms, case: Case, device: str = "cpu", seed: int | None = 
     sizes = forms.sizes(case, kernel_plan.validation_sizes(target.front.program))
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     inputs = random_inputs(target, kernel_plan, sizes, case.dtype, device, generator)
-    condition = getattr(kernel_plan, "condition_inputs", None)  # families whose inputs have a domain
-    if condition is not None:
-        inputs = condition(target.front.program, inputs, generator)
+    inputs = forms.condition(target.front.program, inputs, generator)
     inputs = forms.draw(case, inputs, generator)
     differentiable = [n for n in inputs if n not in kernel_plan.constant_inputs()]
     leaves = {n: v.detach().requires_grad_(n in differentiable) for n, v in inputs.items()}
@@ -170,29 +180,21 @@ def run_case(op: Op, forms, case: Case, device: str = "cpu", seed: int | None = 
                       for n, g in zip(differentiable, ref_grads, strict=True))
 
     name = case.dtype_name
-    # a family may state looser tolerances (reduced-precision products)
-    tol = max(TOLERANCE[case.dtype], getattr(kernel_plan, "output_tolerance", {}).get(name, 0.0))
-    grad_tol = max(tol, getattr(kernel_plan, "gradient_tolerance", {}).get(name, tol))
+    tol, grad_tol = forms.tolerances(case)  # a family may state looser ones (reduced-precision products)
     quantities = [(kernel_plan.output, out, ref, tol)]
     quantities += [(f"d{n}", g, r, grad_tol) for n, g, r in zip(differentiable, grads, ref_grads, strict=True)]
     floor = ROW_FLOOR[case.dtype]
-    report = Report([Row(q, name, _rel(v, r), t, row_error(v, r, floor), t * ROW_FACTOR, case.label)
-                     for q, v, r, t in quantities])
-    report.inputs = inputs  # type: ignore[attr-defined]  # for notes that re-evaluate the reference
-    report.differentiable = differentiable  # type: ignore[attr-defined]
-    report.grad_out = grad_out  # type: ignore[attr-defined]
-    report.ref_grads = ref_grads  # type: ignore[attr-defined]
-    return report
+    return Report([Row(q, name, _rel(v, r), t, row_error(v, r, floor), t * ROW_FACTOR, case.label)
+                   for q, v, r, t in quantities], drawn=Drawn(inputs, differentiable, grad_out, ref_grads))
 
 
 def _solve_notes(op: Op, report: Report, device: str, seed: int | None) -> list[str]:
     """What the implicit differentiation of chebyshev_solve means at this spec's iteration count: how far the
     gradients checked above are from autograd through the iterations (the same once the iteration converges)."""
     solves = [n for d in op.front.program.definitions for n in ir.walk(d.value) if isinstance(n, ir.ChebyshevSolve)]
-    inputs = getattr(report, "inputs", None)
-    if not solves or inputs is None:
+    if not solves or report.drawn is None:
         return []
-    differentiable, grad_out = report.differentiable, report.grad_out  # type: ignore[attr-defined]
+    inputs, differentiable, grad_out = report.drawn.inputs, report.drawn.differentiable, report.drawn.grad_out
     kernel_plan = op.plan
 
     def gradients(unrolled: bool) -> tuple[torch.Tensor, ...]:
@@ -200,7 +202,7 @@ def _solve_notes(op: Op, report: Report, device: str, seed: int | None) -> list[
         value = evaluate(op.front.program, leaves, unrolled_solves=unrolled)[kernel_plan.output]
         return torch.autograd.grad(value, [leaves[n] for n in differentiable], grad_out.cpu().double())
 
-    implicit, unrolled = report.ref_grads, gradients(True)  # type: ignore[attr-defined]
+    implicit, unrolled = report.drawn.ref_grads, gradients(True)
     gaps = {f"d{n}": _rel(i, u) for n, i, u in zip(differentiable, implicit, unrolled, strict=True)}
     worst = max(gaps, key=lambda k: gaps[k])
     iterations = ", ".join(str(s.iterations) for s in solves)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ncd import ir
 from ncd.family import KernelPlan
 from ncd.ops import Op
 from ncd.validate import Case
@@ -93,6 +94,10 @@ class AttentionForms(Forms):
                 out[f] = 2 if f != kv_head else 1
             out[head] = 2
         return out
+
+    def condition(self, program: ir.Program, inputs: dict[str, torch.Tensor], generator: torch.Generator | None
+                  ) -> dict[str, torch.Tensor]:
+        return self.plan.condition_inputs(program, inputs, generator)
 
     def draw(self, case: Case, inputs: dict[str, torch.Tensor], generator: torch.Generator | None
              ) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ncd import ir
 from ncd.ops import Op
 from ncd.reference import evaluate
 from ncd.validate import Case
@@ -21,6 +22,16 @@ class RecurrenceForms(Forms):
     TWIN_KDIM, TWIN_VDIM = 16, 12
     PACKED = (0, 4, 38, 45)  # three sequences: shorter than a chunk, three chunks from an unaligned start, 7
     SPLIT = 21  # the chained call's first part (not a multiple of any chunk size)
+
+    def condition(self, program: ir.Program, inputs: dict[str, torch.Tensor], generator: torch.Generator | None
+                  ) -> dict[str, torch.Tensor]:
+        return self.plan.condition_inputs(program, inputs, generator)
+
+    def tolerances(self, case: Case) -> tuple[float, float]:
+        """The solve's rounding bounds of the plan (reduced-precision products), at least the defaults."""
+        tol, _ = super().tolerances(case)
+        tol = max(tol, self.plan.output_tolerance.get(case.dtype_name, 0.0))
+        return tol, max(tol, self.plan.gradient_tolerance.get(case.dtype_name, tol))
 
     def cases(self, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
         out = [Case("chunk default", "normal", FP32), Case("chunk 16", "normal", FP32, True),
