@@ -2,8 +2,8 @@
 
     python bench/line_count.py [--no-generated]
 
-Parts (physical lines, `wc -l`, of the files named): core = ncd/**/*.py without ncd/kernels/; kernels =
-ncd/kernels/**/*.py (before that package existed: the kernel templates, templates/*.jinja); templates =
+Parts (physical lines, `wc -l`, of the files named): core = ncd/**/*.py without the kernels; kernels =
+ncd/families/*/kernel*.py (older layouts: ncd/kernels/**/*.py, before that the kernel templates); templates =
 templates/* (Jinja and Python); codegen = codegen/*.py; tests = tests/**/*.py. Generated modules are rendered
 in-process (`ncd.backend.generate`, what `ncd compile SPEC` writes) with the default settings; a spec that renders
 nothing shows why. Always exits 0 on a readable checkout: it reports, CI does not gate on it.
@@ -27,13 +27,17 @@ def _lines(paths: Iterable[Path]) -> tuple[int, int]:
 
 def parts(root: Path = ROOT) -> list[tuple[str, str, int, int]]:
     """(part, what it counts, lines, files) for core, kernels, templates, codegen and tests."""
-    kernels_dir = root / "ncd" / "kernels"
-    core = [p for p in (root / "ncd").rglob("*.py") if kernels_dir not in p.parents]
-    if kernels_dir.is_dir():
-        kernels, kernels_what = sorted(kernels_dir.rglob("*.py")), "ncd/kernels/**/*.py"
-    else:
-        kernels, kernels_what = sorted((root / "templates").glob("*.jinja")), "templates/*.jinja (no ncd/kernels/)"
-    rows = [("core", "ncd/**/*.py without ncd/kernels/", core), ("kernels", kernels_what, kernels),
+    kernels = sorted((root / "ncd" / "families").glob("*/kernel*.py"))
+    kernels_what = "ncd/families/*/kernel*.py"
+    if not kernels:  # older layouts: ncd/kernels/, before that the kernel templates
+        kernels_dir = root / "ncd" / "kernels"
+        if kernels_dir.is_dir():
+            kernels, kernels_what = sorted(kernels_dir.rglob("*.py")), "ncd/kernels/**/*.py"
+        else:
+            kernels, kernels_what = sorted((root / "templates").glob("*.jinja")), "templates/*.jinja"
+    kernel_set = set(kernels)
+    core = [p for p in (root / "ncd").rglob("*.py") if p not in kernel_set]
+    rows = [("core", "ncd/**/*.py without the kernels", core), ("kernels", kernels_what, kernels),
             ("templates", "templates/*.jinja, *.py", sorted((root / "templates").glob("*.jinja"))
              + sorted((root / "templates").glob("*.py"))),
             ("codegen", "codegen/*.py", sorted((root / "codegen").rglob("*.py"))),

@@ -81,7 +81,7 @@ class AttentionForms(Forms):
         r = self.plan.roles
         out = dict(sizes)
         if case.form == "factorized":  # three or more chunks of the causal form (CHUNK is 16 in the interpreter)
-            chunk = getattr(self.op.module, "CHUNK", 16)
+            chunk = self.op_for(case).module.CHUNK  # the factorized op's keys per chunk
             out[r.q_axes[2]] = max(out[r.q_axes[2]], 2 * chunk + 5)
             out[r.k_axes[2]] = max(out[r.k_axes[2]], 2 * chunk - 3)
         out[r.q_axes[0]] = 1
