@@ -25,7 +25,6 @@ these sizes, so its do_bench time moves with the host's speed and its kernel tim
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -48,10 +47,13 @@ def log(*args):
     print(*args, flush=True)
 
 
-def configure(module, **changes):
-    """Product precisions and tiles of the op: fields of its config (ncd/families/recurrence/config.py), which the
-    generated module holds as CONFIG."""
-    module.CONFIG = dataclasses.replace(module.CONFIG, **changes)
+def configured(op, **changes):
+    """The generated module of `op` with product precisions and tiles changed: fields of its config
+    (ncd/families/recurrence/config.py), `op.with_config(**changes)`, an op of its own (compiled once, cached);
+    the op's own module where nothing changes."""
+    if all(getattr(op.config, name) == value for name, value in changes.items()):
+        return op.module
+    return op.with_config(**changes).module
 
 
 def ms(fn, rep=100):
@@ -90,7 +92,8 @@ def grads_of(fn, inputs, do):
     return out, torch.autograd.grad(out, leaves, do)
 
 
-def check(module, failures, variants):
+def check(op, failures, variants):
+    module = op.module
     names = ["o", "dq", "dk", "dv", "dg", "dbeta", "dalpha"]
     # (1) against the float64 naive recurrence (same Chebyshev iteration), T not a multiple of the chunk
     # limits: 10-bit operands (scaled fp16, the default, or TF32) put o within ~5e-3 of fp64 whatever the input dtype
@@ -121,9 +124,8 @@ def check(module, failures, variants):
         f"{n} {e:.1e}" for n, e in zip(names, err32, strict=True)) + " (the fp32 reference)")
     for variant in variants:
         dot, grad = (None if p in ("", "default") else p for p in [*variant.split(":"), ""][:2])
-        configure(module, dot_precision=dot, grad_precision=grad)
-        o, grads = grads_of(lambda *t: module.chunk(*t)[0], inputs, do)
-        configure(module, dot_precision=None, grad_precision=None)
+        variant = configured(op, dot_precision=dot, grad_precision=grad)
+        o, grads = grads_of(lambda *t: variant.chunk(*t)[0], inputs, do)  # noqa: B023 (called at once)
         errs = [rel(a, b) for a, b in zip((o, *grads), (ref, *ref_grads), strict=True)]
         RESULTS[f"check chunked {variant}"] = dict(zip(names, errs, strict=True))
         bad = [n for n, e in zip(names, errs, strict=True) if not e <= (1e-2 if n == "o" else 3e-2)]
@@ -134,14 +136,14 @@ def check(module, failures, variants):
             failures.extend(f"chunked {n}" for n in bad)
 
 
-def measure(module, inputs, r, naive):
+def measure(op, inputs, r, naive):
     """ncd (default precision; fwd+bwd with a TF32 backward; forward with TF32 and bf16 products), the chunked
     reference and the naive recurrence at r."""
     cell: dict[str, float] = {}
     do = torch.randn_like(inputs[2])
     leaves = [x.detach().requires_grad_() for x in inputs]
 
-    def ncd_step():
+    def ncd_step(module):
         o, _ = module.chunk(*leaves, num_iter=r)
         torch.autograd.grad(o, leaves, do)
 
@@ -152,17 +154,15 @@ def measure(module, inputs, r, naive):
         o, _ = naive_gka(*leaves, num_iter=r)
         torch.autograd.grad(o, leaves, do)
 
-    configure(module, dot_precision=None)  # the default: by input dtype (bf16: scaled fp16 products in the solve)
+    module = op.module  # the default: by input dtype (bf16: scaled fp16 products in the solve)
     cell["fwd"] = ms(lambda: module.chunk(*inputs, num_iter=r))
     cell["fwd_kernels"] = sum(us for us, _ in kernel_times(lambda: module.chunk(*inputs, num_iter=r)).values()) / 1e3
-    cell["fb"] = ms(ncd_step)  # the default backward: fp16x3 products (split operands)
-    configure(module, grad_precision="tf32")
-    cell["fb_tf32"] = ms(ncd_step)
-    configure(module, grad_precision=None)
+    cell["fb"] = ms(lambda: ncd_step(module))  # the default backward: fp16x3 products (split operands)
+    tf32_backward = configured(op, grad_precision="tf32")
+    cell["fb_tf32"] = ms(lambda: ncd_step(tf32_backward))
     for prec in ("tf32", "bf16"):
-        configure(module, dot_precision=prec)
-        cell[f"fwd_{prec}"] = ms(lambda: module.chunk(*inputs, num_iter=r))
-    configure(module, dot_precision=None)
+        variant = configured(op, dot_precision=prec)
+        cell[f"fwd_{prec}"] = ms(lambda: variant.chunk(*inputs, num_iter=r))  # noqa: B023 (called at once)
     cell["chunked_fwd"] = ms(lambda: chunked_gka(*inputs, num_iter=r), rep=20)
     cell["chunked_fb"] = ms(chunked_step, rep=20)
     if naive:
@@ -170,19 +170,18 @@ def measure(module, inputs, r, naive):
     return cell
 
 
-def profile(module, ts, rs, layouts, grads, backward=True):
+def profile(op, ts, rs, layouts, grads, backward=True):
     """Per-kernel CUDA time (us per call, mean of 10 calls) of fla GDN's forward and ncd's forward and
     forward+backward at each (T, r), for each layout "ROWSxCOLSxWARPS/BV" (the scans' tile and warps, both scans;
     the value columns per block of the solve's output) and each backward product precision (config grad_precision)."""
     for layout in layouts:
         tile, bv = layout.split("/")
         ba, bb, warps = (int(x) for x in tile.split("x"))
-        configure(module, scan_tiles_fwd=(ba, bb, warps), scan_tiles_bwd=(ba, bb, warps), output_bv=int(bv))
+        tiled = op.with_config(scan_tiles_fwd=(ba, bb, warps), scan_tiles_bwd=(ba, bb, warps), output_bv=int(bv))
         for grad in grads:
-            configure(module, grad_precision=None if grad == "default" else grad)
+            module = configured(tiled, grad_precision=None if grad == "default" else grad)
             log(f"scan tile {tile}, output BV {bv}, backward products {grad}")
             _profile(module, ts, rs, backward)
-    configure(module, grad_precision=None)
 
 
 def kernel_times(step, calls=10):
@@ -247,12 +246,11 @@ def main():
     rs = [int(r) for r in args.rs.split(",")]
     log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.datetime.now():%Y-%m-%d %H:%M}")
     op = ncd.load(shipped_spec("gka"))
-    module = op.module
     if args.profile:
-        profile(module, ts, rs, args.layouts.split(","), args.grads.split(","), backward=not args.forward_only)
+        profile(op, ts, rs, args.layouts.split(","), args.grads.split(","), backward=not args.forward_only)
         return
     failures: list[str] = []
-    check(module, failures, [v for v in args.variants.split(",") if v])
+    check(op, failures, [v for v in args.variants.split(",") if v])
     if args.check_only:
         log(f"correctness: {'all OK' if not failures else 'FAILED: ' + ', '.join(failures)}")
         return
@@ -274,7 +272,7 @@ def main():
             base["gdn_kernels"] = sum(us for us, _ in kernel_times(
                 lambda: chunk_gated_delta_rule(q, k, v, g, beta)).values()) / 1e3  # noqa: B023
         for r in rs:
-            cell = dict(base, r=r, **measure(module, inputs, r, naive=t == 2048 and not args.no_naive))
+            cell = dict(base, r=r, **measure(op, inputs, r, naive=t == 2048 and not args.no_naive))
             log(f"  T {t} r {r}: " + ", ".join(f"{key} {val:.3f}" if isinstance(val, float) else f"{key} {val}"
                                                for key, val in cell.items()))
             rows.append(cell)

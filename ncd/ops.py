@@ -12,7 +12,7 @@ from types import ModuleType
 from typing import Any
 
 from .cache import CacheError, import_generated
-from .compiler import Compiled, ConfigError, advance, compile_spec, config_overrides, with_config
+from .compiler import Compiled, ConfigError, ConfigOverrides, advance, compile_spec, config_overrides, with_config
 from .family import KernelPlan
 
 __all__ = ["CacheError", "ConfigError", "Op", "chunk_gka", "import_generated", "load", "shipped_spec"]
@@ -76,7 +76,7 @@ def load(path: str | Path, cache_dir: str | Path | None = None, sizes: Mapping[s
 
 # --- shipped ops with library conventions -------------------------------------------------------------------
 
-_GKA_OPS: dict[tuple[int, int], Op] = {}
+_GKA_OPS: dict[tuple[int, int, ConfigOverrides], Op] = {}
 
 
 def shipped_spec(name: str) -> Path:
@@ -88,22 +88,23 @@ def shipped_spec(name: str) -> Path:
 
 def chunk_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, alpha: Any = None, scale: Any = None,
               ridge: float = 0.02, num_iter: int = 30, initial_state: Any = None, output_final_state: bool = False,
-              cu_seqlens: Any = None, chunk_size: int = 64) -> Any:
+              cu_seqlens: Any = None, chunk_size: int = 64, config: Mapping[str, object] | None = None) -> Any:
     """Gated KalmaNet core compiled from `specs/gka.ncd`, with fla's conventions: q, k [B, T, H, K],
     v [B, T, H, V], g [B, T, H] natural-log gates (<= 0), beta / alpha [B, T, H] (None: no key/value scaling;
     alpha = 1), scale a number or a one-element tensor (with its gradient when it requires one; double backward
     raises), default K^-1/2; non-finite inputs give NaN outputs only where they reach (g = -inf is a reset);
     states (H [N, H, K, K], S [N, H, K, V]) fp32, `cu_seqlens` packs N sequences into B = 1. Returns
     (o [B, T, H, V], final_state or None). Any head sizes: the spec is compiled once per (K, V) with its fixed
-    axes overridden."""
+    axes overridden. `config` overrides fields of the recurrence family's config (`Op.with_config`, e.g.
+    `{"dot_precision": "ieee"}`): another op, compiled once per (K, V, config)."""
     from .errors import CallError
 
     for name, t in (("q", q), ("v", v)):
         if not hasattr(t, "shape") or len(t.shape) != 4:
             raise CallError(None, detail=f"chunk_gka: {name} must be a 4-d tensor [batch time head dim], got "
                             f"{type(t).__name__} {list(getattr(t, 'shape', []))}")
-    key = (int(q.shape[-1]), int(v.shape[-1]))
+    key = (int(q.shape[-1]), int(v.shape[-1]), config_overrides(config))
     if key not in _GKA_OPS:
-        _GKA_OPS[key] = load(shipped_spec("gka"), sizes={"kdim": key[0], "vdim": key[1]})
+        _GKA_OPS[key] = load(shipped_spec("gka"), sizes={"kdim": key[0], "vdim": key[1]}, config=config)
     return _GKA_OPS[key].module.chunk(q, k, v, g, beta, alpha, scale, ridge, num_iter, initial_state,
                                       output_final_state, cu_seqlens, chunk_size)

@@ -2,8 +2,9 @@
 per-timestep recurrence running the same Chebyshev iteration, every gradient against autograd through it, final
 and initial states, packed sequences, the layer, call-time checks and the recurrence pass's rejections.
 Fresh random inputs in the layer's domain at odd sizes (T = 100 with chunk 16, T not a multiple of the chunk);
-outputs poisoned with NaN (the config's poison_outputs). Precisions and tiles are forced by replacing the generated
-module's CONFIG (ncd/families/recurrence/config.py), never by overwriting its globals."""
+outputs poisoned with NaN (NCD_POISON_OUTPUTS, tests/conftest.py). Precisions and tiles are forced through the
+op's config (ncd/families/recurrence/config.py): `op.with_config(...)` is another op with its own generated module,
+never a change to a module's globals."""
 
 from __future__ import annotations
 
@@ -25,27 +26,21 @@ from ncd.ops import chunk_gka, shipped_spec
 from .conftest import ROOT, raise_float_errors
 
 K, V = 32, 24
+EXACT = {"dot_precision": "ieee"}  # IEEE fp32 products, as gka_op's, for tests going through ncd.ops (its config=)
 
 
 @pytest.fixture(scope="module")
-def gka_module():
-    """The generated module with IEEE fp32 products: the interpreter's exact arithmetic then shows the chunked
-    algorithm's own error. The default scaled-fp16 products have their own tests (test_default_fp16_...)."""
-    op = ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V})
-    default = op.module.CONFIG
-    op.module.CONFIG = dataclasses.replace(default, poison_outputs=True, dot_precision="ieee")
-    yield op.module
-    op.module.CONFIG = default
+def gka_op():
+    """The op with IEEE fp32 products: the interpreter's exact arithmetic then shows the chunked algorithm's own
+    error. The default scaled-fp16 products have their own tests (test_default_fp16_...). Other precisions and
+    tiles: `gka_op.with_config(...)`, overrides added to this op's."""
+    return ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V}).with_config(**EXACT)
 
 
-def configure(monkeypatch, module, **changes):
-    """The generated module's CONFIG with `changes` (precisions, tiles) for the rest of the test."""
-    monkeypatch.setattr(module, "CONFIG", dataclasses.replace(module.CONFIG, **changes))
-
-
-def exact_products(monkeypatch, k=K, v=V):
-    """IEEE fp32 products for the op compiled at (k, v), as the fixture above, for tests going through ncd.ops."""
-    configure(monkeypatch, ncd.load(shipped_spec("gka"), sizes={"kdim": k, "vdim": v}).module, dot_precision="ieee")
+@pytest.fixture(scope="module")
+def gka_module(gka_op):
+    """gka_op's generated module."""
+    return gka_op.module
 
 
 def draw(B=2, T=100, H=2, gen_seed=None, beta=True, alpha=True):
@@ -197,17 +192,17 @@ def _tolerances(dtype="float32"):
     return {"o": kernel_plan.output_tolerance[dtype], "grad": kernel_plan.gradient_tolerance[dtype]}
 
 
-def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
+def test_default_fp16_products_have_ten_bit_accuracy(gka_op):
     """The default products (scaled fp16, TF32's 10-bit mantissa) against the float64 recurrence. The solve's
     sensitivity to operand rounding is about eps / ridge = 2^-11 / 0.02 = 2.4e-2 (kappa <= 1 / ridge + 1), reached
     on the first tokens of a sequence where H_t has rank one; measured 5.6e-3 to 7.8e-3 for o, up to 1.9e-2 for
     dalpha."""
-    configure(monkeypatch, gka_module, dot_precision="fp16")  # fp32 inputs default to fp32-class products
+    fp16 = gka_op.with_config(dot_precision="fp16").module  # fp32 inputs default to fp32-class products
     inputs = draw(T=77)
-    o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
+    o, grads = _forward_and_grads(partial(fp16.chunk, chunk_size=16), inputs)
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
-    configure(monkeypatch, gka_module, dot_precision="ieee")
-    o_exact, _ = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
+    exact = gka_op.with_config(dot_precision="ieee").module
+    o_exact, _ = _forward_and_grads(partial(exact.chunk, chunk_size=16), inputs)
     errors = {name: rms_ratio(got, want) for name, got, want in
               zip(["o", "q", "k", "v", "g", "beta", "alpha"], (o, *grads), (ref, *ref_grads), strict=True)}
     print("GKA fp16 products vs float64:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
@@ -218,7 +213,7 @@ def test_default_fp16_products_have_ten_bit_accuracy(gka_module, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_backward_split_fp16_products_match_fp32_products(gka_module, monkeypatch, dtype):
+def test_backward_split_fp16_products_match_fp32_products(gka_op, dtype):
     """The backward's accumulation kernels multiply fp16x3 products by default (each fp32 operand split into two
     scaled fp16 ones, three products): about fp32 accuracy, which the gate gradient's cancelling sums need (TF32
     puts dg 4e-2 from float64 at T = 2048). Against the same backward with IEEE fp32 products every gradient agrees
@@ -226,15 +221,14 @@ def test_backward_split_fp16_products_match_fp32_products(gka_module, monkeypatc
     in both: the default fp16 solve's own rounding would hide the difference.) bf16 keys, values and dO enter the
     products unsplit (one or two products): the fp32 gradients (g, beta, alpha, which every changed product feeds)
     still agree to 1e-5, and q, k, v's to their bf16 rounding."""
-    configure(monkeypatch, gka_module, dot_precision=None, grad_precision=None)
-    assert kernels.grad_precision(gka_module.CONFIG, dtype) == "fp16x3"
-    configure(monkeypatch, gka_module, dot_precision="ieee", grad_precision="fp16x3")
+    default = gka_op.with_config(dot_precision=None, grad_precision=None)
+    assert kernels.grad_precision(default.module.CONFIG, dtype) == "fp16x3"
+    split_op = gka_op.with_config(dot_precision="ieee", grad_precision="fp16x3")
     q, k, v, g, b, a = draw(T=77)
     inputs = [q.to(dtype), k.to(dtype), v.to(dtype), g, b, a]
-    core = partial(gka_module.chunk, chunk_size=16)
-    _, split = _forward_and_grads(core, inputs)
-    configure(monkeypatch, gka_module, grad_precision="ieee")
-    _, exact = _forward_and_grads(core, inputs)
+    _, split = _forward_and_grads(partial(split_op.module.chunk, chunk_size=16), inputs)
+    exact_op = split_op.with_config(grad_precision="ieee")
+    _, exact = _forward_and_grads(partial(exact_op.module.chunk, chunk_size=16), inputs)
     errors = {name: rms_ratio(a, b) for name, a, b in
               zip(["q", "k", "v", "g", "beta", "alpha"], split, exact, strict=True)}
     print(f"GKA fp16x3 backward vs fp32 products, {dtype}:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
@@ -243,18 +237,18 @@ def test_backward_split_fp16_products_match_fp32_products(gka_module, monkeypatc
 
 
 @pytest.mark.parametrize("precision,bound", [("ieee", 1e-5), ("fp16", 5e-4)])
-def test_saved_norms_match_the_frobenius_norm_of_the_naive_states(gka_module, monkeypatch, precision, bound):
+def test_saved_norms_match_the_frobenius_norm_of_the_naive_states(gka_op, precision, bound):
     """||H_t||_F as the forward saves it: the Gram term in the norm kernel, each chunk's initial-state terms from
     the H scan (an initial state, so they matter from the first chunk). Default precision: the Gram term from
     scaled fp16 operands."""
     from ncd.families.recurrence.reference import _scaled
 
-    configure(monkeypatch, gka_module, dot_precision=precision)
+    module = gka_op.with_config(dot_precision=precision).module
     q, k, v, g, b, a = draw(B=1, H=2, T=45)
     h0 = torch.randn(1, 2, K, K)
     h0 = h0 @ h0.transpose(-1, -2) / K
     s0 = torch.randn(1, 2, K, V)
-    *_, norm = gka_module.forward(q, k, v, g, b, a, h0, s0, None, K ** -0.5, 0.02, 3, 16, False)
+    *_, norm = module.forward(q, k, v, g, b, a, h0, s0, None, K ** -0.5, 0.02, 3, 16, False)
     kb, _ = _scaled(k.double(), v.double(), b.double())
     state, want = h0.double(), []
     for t in range(q.shape[1]):
@@ -264,7 +258,7 @@ def test_saved_norms_match_the_frobenius_norm_of_the_naive_states(gka_module, mo
     assert float(((norm.double() - want).abs() / want).max()) <= bound
 
 
-def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
+def test_fp16_products_scale_operands_into_range(gka_op):
     """States, keys and values far beyond fp16's range (65504 for values, their squares for keys): the scaled
     operands keep the default path finite and as accurate as at unit scale (unscaled, o would be NaN)."""
     B, H = 1, 2
@@ -273,8 +267,8 @@ def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
     h0 = h0 @ h0.transpose(-1, -2) * 1e5
     s0 = torch.randn(B, H, K, V) * 1e5
     inputs = (q, k * 30, v * 1e5, g, b, a)
-    configure(monkeypatch, gka_module, dot_precision="fp16")
-    o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs, (h0, s0))
+    fp16 = gka_op.with_config(dot_precision="fp16").module
+    o, grads = _forward_and_grads(partial(fp16.chunk, chunk_size=16), inputs, (h0, s0))
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs), (h0.double(), s0.double()))
     bound = _tolerances("float16")
     assert rms_ratio(o, ref) <= bound["o"]
@@ -282,59 +276,58 @@ def test_fp16_products_scale_operands_into_range(gka_module, monkeypatch):
         assert torch.isfinite(got).all() and rms_ratio(got, want) <= bound["grad"]
 
 
-def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_module, monkeypatch):
+def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_op):
     """The forward's scans store fp16 state tiles over their own power-of-two scales; the solve (H_0, and S_0 in its
     output) puts the tiles of one block back on a common scale. With 16 x 16 scan tiles (H in 2 x 2 tiles, S in
     2 x 2, an output block spanning two) and an initial state whose blocks differ by 1e4, a misplaced tile scale
     would be off by orders of magnitude; read back right, o is as accurate as with one tile per state, also with the
     output split into 16-column blocks."""
-    configure(monkeypatch, gka_module, dot_precision="fp16")
+    fp16 = gka_op.with_config(dot_precision="fp16")
     q, k, v, g, b, a = draw(B=1, H=2, T=40)
     rows = torch.cat([torch.full((K // 2,), 1.0), torch.full((K // 2,), 100.0)])
     h0 = torch.randn(1, 2, K, K) * rows[:, None]
     h0 = h0 @ h0.transpose(-1, -2) / K
     s0 = torch.randn(1, 2, K, V) * rows[:, None]
     ref, _ = naive_gka(*f64((q, k, v, g, b, a)), initial_state=(h0.double(), s0.double()))
-    one_tile, _ = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
-    configure(monkeypatch, gka_module, scan_tiles_fwd=(16, 16, 4))
-    tiled, _ = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
-    configure(monkeypatch, gka_module, output_bv=16)  # the solve's output over two blocks of value columns
-    split = gka_module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)[0]
+    one_tile, _ = fp16.module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
+    tiles = fp16.with_config(scan_tiles_fwd=(16, 16, 4))
+    tiled, _ = tiles.module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
+    blocks = tiles.with_config(output_bv=16)  # the solve's output over two blocks of value columns
+    split = blocks.module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)[0]
     bound = _tolerances("float16")["o"]
     assert rms_ratio(one_tile, ref) <= bound
     assert rms_ratio(tiled, ref) <= bound
     assert rms_ratio(split, ref) <= bound
 
 
-def test_output_value_column_blocks_agree_with_one_block(gka_module, monkeypatch):
+def test_output_value_column_blocks_agree_with_one_block(gka_op, gka_module):
     """The solve's output walks the value columns in blocks of OUTPUT_BV inside one program per chunk (V = 24: one
     block of 32, or two of 16 whose second is partly masked); with IEEE products the two agree to rounding."""
     inputs = draw(B=1, H=2, T=45)
     one_block, _ = gka_module.chunk(*inputs, chunk_size=16)
-    configure(monkeypatch, gka_module, output_bv=16)
-    two_blocks, _ = gka_module.chunk(*inputs, chunk_size=16)
+    two_blocks, _ = gka_op.with_config(output_bv=16).module.chunk(*inputs, chunk_size=16)
     assert rms_ratio(two_blocks, one_block) <= 1e-6
 
 
-def test_bf16_inputs_scan_with_bf16_products_within_the_bf16_limits(gka_module, monkeypatch):
+def test_bf16_inputs_scan_with_bf16_products_within_the_bf16_limits(gka_op, monkeypatch):
     """bf16 inputs: the forward's state scans multiply bf16 operands (the keys or values exactly, the weighted keys
     rounded); the backward recomputes its states with TF32 products. Output, final states and gradients against
     the float64 recurrence on the same bf16 inputs, within the bf16 limits the plan states."""
-    configure(monkeypatch, gka_module, dot_precision=None)
+    by_dtype = gka_op.with_config(dot_precision=None).module
     q, k, v, g, b, a = draw(T=77)
     inputs = [t.bfloat16() for t in (q, k, v)] + [g, b.bfloat16(), a.bfloat16()]
-    assert kernels.scan_precision(gka_module.CONFIG, torch.bfloat16) == "bf16"
-    assert kernels.scan_precision(gka_module.CONFIG, torch.float32) == "ieee"  # fp32 inputs: fp32 products
-    o, grads = _forward_and_grads(partial(gka_module.chunk, chunk_size=16), inputs)
+    assert kernels.scan_precision(by_dtype.CONFIG, torch.bfloat16) == "bf16"
+    assert kernels.scan_precision(by_dtype.CONFIG, torch.float32) == "ieee"  # fp32 inputs: fp32 products
+    o, grads = _forward_and_grads(partial(by_dtype.chunk, chunk_size=16), inputs)
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
     bound = _tolerances("bfloat16")
     assert o.dtype == torch.bfloat16
     assert rms_ratio(o, ref) <= bound["o"]
     for name, got, want in zip(["q", "k", "v", "g", "beta", "alpha"], grads, ref_grads, strict=True):
         assert rms_ratio(got, want) <= bound["grad"], name
-    _, (h_bf16, s_bf16) = gka_module.chunk(*inputs, output_final_state=True, chunk_size=16)
+    _, (h_bf16, s_bf16) = by_dtype.chunk(*inputs, output_final_state=True, chunk_size=16)
     monkeypatch.setattr(kernels, "scan_precision", lambda config, dtype: "tf32")
-    _, (h_tf32, s_tf32) = gka_module.chunk(*inputs, output_final_state=True, chunk_size=16)
+    _, (h_tf32, s_tf32) = by_dtype.chunk(*inputs, output_final_state=True, chunk_size=16)
     _, (h_ref, s_ref) = naive_gka(*f64(inputs))
     for got, other, want in ((h_bf16, h_tf32, h_ref), (s_bf16, s_tf32, s_ref)):
         print(f"final state vs float64: bf16 scan {rms_ratio(got, want):.1e}, TF32 {rms_ratio(other, want):.1e}")
@@ -384,12 +377,11 @@ def test_packed_layout_is_read_from_the_device_once_per_step(gka_module, monkeyp
     first, _ = gka_module.chunk(q[:, :40], k[:, :40], v[:, :40], g[:, :40], b[:, :40], a[:, :40], chunk_size=16)
     assert rms_ratio(o2[:, :40], first) < 1e-6
 
-def test_chunked_torch_reference_and_public_op_agree_with_the_naive_recurrence(monkeypatch):
-    exact_products(monkeypatch)
+def test_chunked_torch_reference_and_public_op_agree_with_the_naive_recurrence():
     inputs = draw(T=45)
     ref, _ = naive_gka(*f64(inputs))
     assert rms_ratio(chunked_gka(*inputs, chunk=16), ref) < 1e-4
-    o, state = chunk_gka(*inputs, num_iter=10, chunk_size=32)
+    o, state = chunk_gka(*inputs, num_iter=10, chunk_size=32, config=EXACT)
     ref10, _ = naive_gka(*f64(inputs), num_iter=10)
     assert state is None and rms_ratio(o, ref10) < 1e-4
 
@@ -410,7 +402,7 @@ def test_layer_runs_forward_and_backward_and_uses_the_compiled_core(monkeypatch)
                          ridge, num_iter)
         return o.float(), None
 
-    exact_products(monkeypatch, K, K)
+    monkeypatch.setattr(layers, "chunk_gka", partial(chunk_gka, config=EXACT))  # the layer's core, IEEE products
     y = layer(x)
     monkeypatch.setattr(layers, "chunk_gka", naive_core)
     assert rms_ratio(y, layer(x)) < 1e-4
@@ -479,7 +471,7 @@ def test_every_tuned_kernel_is_tuned_per_problem_size(gka_module):
     assert kernels._work(5, 2) == 16 and kernels._work(512, 8) == 4096
 
 
-def test_every_launch_passes_only_arguments_its_kernel_takes(gka_module, monkeypatch):
+def test_every_launch_passes_only_arguments_its_kernel_takes(gka_op, monkeypatch):
     """A compiled GPU launch rejects a keyword its kernel does not declare; the interpreter accepts it silently (the
     backward's untuned scan was passed WORK, and failed only on the GPU). So every launch of a forward and backward,
     with initial and final states, is checked against the kernel's parameters here, and each launch's kernel must
@@ -488,6 +480,7 @@ def test_every_launch_passes_only_arguments_its_kernel_takes(gka_module, monkeyp
 
     import triton
 
+    by_dtype = gka_op.with_config(dot_precision=None).module
     launched = set()
 
     def python_function(kernel):
@@ -516,11 +509,10 @@ def test_every_launch_passes_only_arguments_its_kernel_takes(gka_module, monkeyp
         monkeypatch.setattr(kernels, name, StrictKernel(name, kernel))
     fitted = []
     monkeypatch.setattr(kernels, "_fit_carveout", fitted.append)
-    configure(monkeypatch, gka_module, dot_precision=None)
     q, k, v, g, b, a = draw(B=1, H=2, T=20)
     h0 = torch.randn(1, 2, K, K)
     state = (h0 @ h0.transpose(-1, -2) / K, torch.randn(1, 2, K, V))
-    _forward_and_grads(partial(gka_module.chunk, chunk_size=16, output_final_state=True), (q, k, v, g, b, a), state)
+    _forward_and_grads(partial(by_dtype.chunk, chunk_size=16, output_final_state=True), (q, k, v, g, b, a), state)
     assert launched == set(launchable)
     assert set(fitted) == launched and len(fitted) == 11  # 3 forward launches, 8 backward (its own state scan too)
 
@@ -535,7 +527,7 @@ def test_plan_shows_the_derived_chunked_form():
         assert expected in result.stdout
 
 
-def test_generated_module_holds_the_hooks_and_config_and_the_kernels_are_static(gka_module):
+def test_generated_module_holds_the_hooks_and_config_and_the_kernels_are_static():
     """The kernels live in families/recurrence/kernel.py; the generated module holds only the spec's device functions
     (the scalings and their derivatives, with origins) and the plan's config as literals, which the op uses."""
     import inspect
@@ -553,8 +545,7 @@ def test_generated_module_holds_the_hooks_and_config_and_the_kernels_are_static(
     assert "tl.dot" not in text and "gka.ncd:24" in inspect.getsource(op.module._key_scale.fn)
     assert len(text.splitlines()) <= 300  # issue 31's target for a generated module
     config = plan(op.front).config
-    embedded = dataclasses.replace(op.module.CONFIG, poison_outputs=False,  # the fixture's changes undone
-                                   dot_precision=config.with_settings().dot_precision)
+    embedded = op.module.CONFIG  # the shipped op's own module (the fixtures' precisions are ops of their own)
     assert embedded == config.with_settings()
     defaults = (op.module.RIDGE, op.module.ITERATIONS, op.module.CHUNK)  # the op's keyword defaults
     assert defaults == (config.ridge, config.iterations, config.chunk)

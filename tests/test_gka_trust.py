@@ -5,7 +5,6 @@ get fp32-class products by default, checked per token. Small odd sizes on the CP
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import warnings
 from functools import partial
@@ -54,17 +53,16 @@ def recurrence_refusal(tmp_path, text, name):
 
 
 @pytest.fixture(scope="module")
-def gka():
-    op = ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V})
-    default = op.module.CONFIG
-    op.module.CONFIG = dataclasses.replace(default, poison_outputs=True)
-    yield op.module
-    op.module.CONFIG = default
+def gka_op():
+    """The shipped op at (K, V), its default config (outputs start as NaN: NCD_POISON_OUTPUTS, tests/conftest.py).
+    Other precisions: `gka_op.with_config(...)`, an op of its own."""
+    return ncd.load(shipped_spec("gka"), sizes={"kdim": K, "vdim": V})
 
 
-def configure(monkeypatch, module, **changes):
-    """The generated module's CONFIG with `changes` (precisions) for the rest of the test."""
-    monkeypatch.setattr(module, "CONFIG", dataclasses.replace(module.CONFIG, **changes))
+@pytest.fixture(scope="module")
+def gka(gka_op):
+    """gka_op's generated module."""
+    return gka_op.module
 
 
 def spec_reference(module, q, k, v, g, beta, alpha):
@@ -119,8 +117,7 @@ CONSTANT_SCALINGS = (BASE.replace("in  beta[batch time head] : f32\n", "")
 def test_constant_scalings_ridge_and_output_factors_are_honoured(tmp_path):
     """kb = k * 0.5, vb = v * 2 (no beta input), lam = ridge * 1.5 * normH and o = -3 * scale * (...): the op
     matches the spec's own float64 evaluation, forward and every gradient (it used to drop the scalings: 68% off)."""
-    op = load_variant(tmp_path, CONSTANT_SCALINGS)
-    op.module.CONFIG = dataclasses.replace(op.module.CONFIG, dot_precision="ieee")
+    op = load_variant(tmp_path, CONSTANT_SCALINGS).with_config(dot_precision="ieee")
     q, k, v, g, _, a = draw(B=1, T=21)
     do = torch.randn(1, 21, 2, V, generator=torch.Generator().manual_seed(1))
     o, grads = grads_of(lambda *t: op(*t), (q, k, v, g, a), do)
@@ -250,8 +247,8 @@ def test_inputs_without_a_default_are_required(gka):
 
 # --- item 5: a tensor scale, double backward -------------------------------------------------------------------
 
-def test_tensor_scale_gets_its_gradient(gka, monkeypatch):
-    configure(monkeypatch, gka, dot_precision="ieee")
+def test_tensor_scale_gets_its_gradient(gka_op):
+    gka = gka_op.with_config(dot_precision="ieee").module
     inputs = draw(B=1, T=19)
     scale = torch.tensor(0.37)
     do = torch.randn(1, 19, 2, V, generator=torch.Generator().manual_seed(2))
@@ -286,13 +283,13 @@ def test_double_backward_raises(gka):
 
 # --- item 8: NaN in, NaN out where the math says; g = -inf ----------------------------------------------------
 
-def test_a_nan_stays_at_and_after_its_token(gka, monkeypatch):
+def test_a_nan_stays_at_and_after_its_token(gka_op):
     """One sequence, four heads: a NaN in k[5] of head 0 (inside a 16-token chunk) makes head 0's outputs NaN
     from token 5 on and its final states NaN, an infinity in v[12] of head 2 likewise from token 12; a NaN in
     q[9] of head 1 makes that one output NaN. Every other
     output and state is the clean run's (no NaN leaks back to earlier tokens of the chunk), and with no gradient
     from the NaN outputs every gradient elsewhere is the clean run's."""
-    configure(monkeypatch, gka, dot_precision="ieee")
+    gka = gka_op.with_config(dot_precision="ieee").module
     T = 21
     clean = draw(B=1, T=T, H=4)
     dirty = [x.clone() for x in clean]
@@ -353,10 +350,10 @@ def test_packed_sequences_are_poisoned_from_the_bad_token_to_their_own_end(gka):
     assert per_sequence.tolist() == [[True, False], [False, False], [False, False], [False, True]]
 
 
-def test_a_minus_infinite_gate_is_a_full_reset(gka, monkeypatch):
+def test_a_minus_infinite_gate_is_a_full_reset(gka_op):
     """g = -inf (exp(g) = 0: the states restart) at a chunk's first, middle and last tokens: output, final states
     and every gradient finite and as the float64 recurrence computes them (dg = 0 at the reset, as exp(g)'s)."""
-    configure(monkeypatch, gka, dot_precision="ieee")
+    gka = gka_op.with_config(dot_precision="ieee").module
     inputs = draw(B=1, T=37)
     inputs[3][0, [0, 7, 15, 16], :] = float("-inf")
     inputs[3][0, 30, 1] = float("-inf")
@@ -376,11 +373,12 @@ def test_a_minus_infinite_gate_is_a_full_reset(gka, monkeypatch):
 
 # --- item 9: precision follows the input dtype, checked per token ----------------------------------------------
 
-def test_fp32_inputs_get_fp32_class_products_by_default_per_token(gka, monkeypatch):
+def test_fp32_inputs_get_fp32_class_products_by_default_per_token(gka_op):
     """fp32 inputs, default precision: every token's output row and every gradient row within 1e-3 of the float64
     recurrence (the fp16 products put the first tokens 7-27% off while the whole-tensor error read 0.7%). bf16
     inputs keep the fast scaled-fp16 products; NCD_GKA_DOT_PRECISION still overrides."""
-    configure(monkeypatch, gka, dot_precision=None, grad_precision=None)
+    default = gka_op.with_config(dot_precision=None, grad_precision=None)
+    gka = default.module
     assert kernels.solve_precision(gka.CONFIG, torch.bfloat16) == "fp16"
     assert kernels.solve_precision(gka.CONFIG, torch.float32) == "ieee"
     inputs = draw(B=1, T=21)
@@ -394,6 +392,5 @@ def test_fp32_inputs_get_fp32_class_products_by_default_per_token(gka, monkeypat
     print("GKA fp32 default products vs float64, worst token:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
     assert errors.pop("o") < 1e-3
     assert max(errors.values()) < 1e-3
-    configure(monkeypatch, gka, dot_precision="fp16")
-    o16, _ = core(*inputs)
+    o16, _ = partial(default.with_config(dot_precision="fp16").module.chunk, chunk_size=16)(*inputs)
     assert max_token_error(o16, ref) > 1e-3  # the override still selects the fp16 products
