@@ -76,7 +76,7 @@ class BasisEval:
 
 @dataclass(frozen=True)
 class Binary:
-    op: str  # + - * / ^ < <= > >= == !=
+    op: str  # + - * / ^ < <= > >= == != and or
     lhs: Expr
     rhs: Expr
     span: Span
@@ -84,6 +84,14 @@ class Binary:
 
 @dataclass(frozen=True)
 class Neg:
+    operand: Expr
+    span: Span
+
+
+@dataclass(frozen=True)
+class Not:
+    """`not COND`: the negation of a condition (a comparison, or and/or/not of comparisons)."""
+
     operand: Expr
     span: Span
 
@@ -154,7 +162,7 @@ class Call:
     span: Span
 
 
-Expr = Union[Number, NameRef, Indexed, BasisEval, Binary, Neg, Contract, Call]
+Expr = Union[Number, NameRef, Indexed, BasisEval, Binary, Neg, Not, Contract, Call]
 
 
 # --- statements --------------------------------------------------------------------------------

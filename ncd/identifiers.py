@@ -20,7 +20,7 @@ _GENERATED = {"torch", "triton", "tl", "math", "ncd", "self", "cls", "ctx", "gra
               "DS_BULK_STORE", "USE_TMA",
               "EXP2_MAPS"}
 # Keywords of the spec language itself, reserved everywhere so a name never reads as a statement.
-SPEC_KEYWORDS = {"spec", "axis", "const", "in", "param", "out", "basis", "over", "for"}
+SPEC_KEYWORDS = {"spec", "axis", "const", "in", "param", "out", "basis", "over", "for", "and", "or", "not"}
 
 
 def identifier_problem(name: str) -> str | None:
@@ -28,12 +28,12 @@ def identifier_problem(name: str) -> str | None:
         return "names are 1-64 ASCII letters, digits or '_' and start with a letter"
     if "__" in name:
         return "double underscores are reserved"
+    if name in SPEC_KEYWORDS:
+        return "it is a keyword of the spec language"
     if keyword.iskeyword(name) or keyword.issoftkeyword(name):
         return "it is a Python keyword"
     if name in dir(builtins):
         return "it is a Python builtin"
-    if name in SPEC_KEYWORDS:
-        return "it is a keyword of the spec language"
     if name in _GENERATED:
         return "generated code uses this name"
     return None

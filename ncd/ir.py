@@ -15,6 +15,8 @@ from .source import NO_SPAN, Source, Span
 
 DTYPES = ("f16", "bf16", "f32", "f64", "i32", "i64", "bool")
 ELEMENTWISE = ("abs", "sign", "exp", "log", "sqrt", "tanh", "sigmoid", "sin", "cos", "acos")
+COMPARISONS = ("<", "<=", ">", ">=", "==", "!=")
+LOGICAL = ("and", "or")  # of two conditions; `not` is Unary("not", ...)
 
 
 class IRVerificationError(AssertionError):
@@ -45,7 +47,8 @@ class Tensor:
 
 
 # --- wires (expression nodes) ------------------------------------------------------------------
-# Each node has `axes` (the named wires it carries, in order) and `span`; `boolean` marks masks.
+# Each node has `axes` (the named wires it carries, in order) and `span`; `boolean` marks conditions (masks):
+# comparisons, and/or of conditions (Binary), not of a condition (Unary).
 
 
 @dataclass(frozen=True)
@@ -103,15 +106,19 @@ class Var:
 
 @dataclass(frozen=True)
 class Unary:
-    fn: str  # neg or one of ELEMENTWISE
+    fn: str  # neg, not (of a condition), or one of ELEMENTWISE
     arg: Node
     axes: tuple[str, ...]
     span: Span
 
+    @property
+    def boolean(self) -> bool:
+        return self.fn == "not"
+
 
 @dataclass(frozen=True)
 class Binary:
-    op: str  # + - * / max min, or a comparison < <= > >= == !=
+    op: str  # + - * / max min, a comparison < <= > >= == !=, or and/or of two conditions
     lhs: Node
     rhs: Node
     axes: tuple[str, ...]
@@ -119,7 +126,7 @@ class Binary:
 
     @property
     def boolean(self) -> bool:
-        return self.op in ("<", "<=", ">", ">=", "==", "!=")
+        return self.op in COMPARISONS or self.op in LOGICAL
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ from .symbolic import to_sympy
 
 STRUCTURAL = ("sum", "max", "min", "where", "size", "normalize", "scan", "chebyshev_solve")
 FUNCTIONS = (*ir.ELEMENTWISE, *STRUCTURAL)
-COMPARISONS = ("<", "<=", ">", ">=", "==", "!=")
+COMPARISONS = ir.COMPARISONS
+CONDITION_HINT = "compare first: x > 0 and y > 0"
 
 
 @dataclass
@@ -307,7 +308,8 @@ class _Lowering:
             scope.scan_axes = declared
         value = self._expr(stmt.value, scope)
         if _is_boolean(value):
-            raise TypeMismatch(stmt.value.span, detail=f"'{name}' is a comparison (true/false)",
+            what = "a comparison" if _is_comparison(value) else "a condition"
+            raise TypeMismatch(stmt.value.span, detail=f"'{name}' is {what} (true/false)",
                                hint="use it inside where(COND, A, B) or as normalize's mask")
         if declared is None:
             declared = value.axes
@@ -523,6 +525,10 @@ class _ExprLowering:
 
     def _Binary(self, e: ast.Binary) -> ir.Node:
         lhs, rhs = self.sub(e.lhs), self.sub(e.rhs)
+        if e.op in ir.LOGICAL:
+            self._condition(lhs, f"'{e.op}'")
+            self._condition(rhs, f"'{e.op}'")
+            return ir.Binary(e.op, lhs, rhs, self.o._merge(lhs.axes, rhs.axes), e.span)
         if e.op == "^":
             return self._pow(self._numeric(lhs), rhs, e)
         self._numeric(lhs)
@@ -551,9 +557,21 @@ class _ExprLowering:
             raise TypeMismatch(e.span, detail="this power of a number is too large to compute")
         return ir.Pow(base, value, base.axes, e.span)
 
+    def _Not(self, e: ast.Not) -> ir.Node:
+        arg = self._condition(self.sub(e.operand), "'not'")
+        return ir.Unary("not", arg, arg.axes, e.span)
+
+    def _condition(self, node: ir.Node, user: str) -> ir.Node:
+        """`node` where a condition is required (an operand of and/or/not): a comparison or and/or/not."""
+        if not _is_boolean(node):
+            raise TypeMismatch(node.span, detail=f"{user} combines conditions (comparisons, and/or/not), "
+                               "not numbers", hint=CONDITION_HINT)
+        return node
+
     def _numeric(self, node: ir.Node) -> ir.Node:
         if _is_boolean(node):
-            raise TypeMismatch(node.span, detail="a comparison cannot be used as a number",
+            what = "a comparison" if _is_comparison(node) else "a condition (and/or/not)"
+            raise TypeMismatch(node.span, detail=f"{what} cannot be used as a number",
                                hint="write where(COND, 1, 0)")
         return node
 
@@ -584,7 +602,8 @@ class _ExprLowering:
         args.only(positional=3)
         cond, then, other = (self.sub(a) for a in args.positional)
         if not _is_boolean(cond):
-            raise TypeMismatch(cond.span, detail="where()'s first argument must be a comparison")
+            raise TypeMismatch(cond.span, detail="where()'s first argument must be a comparison (or and/or/not of "
+                               "comparisons)", hint=f"{CONDITION_HINT}; where(x != 0, a, b) tests a number")
         return ir.Where(cond, self._numeric(then), self._numeric(other),
                         self.o._merge(cond.axes, then.axes, other.axes), e.span)
 
@@ -693,7 +712,8 @@ class _ExprLowering:
             if key in args.keywords:
                 node = self.sub(args.keywords[key].value)
                 if (key == "mask") != _is_boolean(node):
-                    want = "a comparison such as key <= query" if key == "mask" else "a number"
+                    want = ("a comparison such as key <= query (or and/or/not of comparisons)" if key == "mask"
+                            else "a number")
                     raise TypeMismatch(node.span, detail=f"normalize's {key} must be {want}")
                 for axis in node.axes:
                     if axis not in arg.axes and self.o._owner(axis, arg.axes) is None:
@@ -813,11 +833,17 @@ def _check_axis_size(axis: ir.Axis) -> None:
 
 
 def _is_boolean(node: ir.Node) -> bool:
-    return isinstance(node, ir.Binary) and node.boolean
+    """Whether `node` is a condition: a comparison, and/or of conditions, not of a condition."""
+    return isinstance(node, ir.Binary | ir.Unary) and node.boolean
+
+
+def _is_comparison(node: ir.Node) -> bool:
+    return isinstance(node, ir.Binary) and node.op in ir.COMPARISONS
 
 
 def _referenced_names(e: object) -> set[str]:
-    """Every name an AST subtree mentions (tensor references are among them)."""
+    """Every name an AST subtree mentions (tensor references are among them), less the names an inline function's
+    parameter or a finite sum's index binds inside it (`b(z) = z` reads no tensor `z`: variables come first)."""
     out: set[str] = set()
     stack = [e]
     while stack:
@@ -826,6 +852,13 @@ def _referenced_names(e: object) -> set[str]:
             out.add(item.name)
         elif isinstance(item, ast.Indexed):
             out.add(item.name.name)
+        if isinstance(item, ast.FunctionArg | ast.Comprehension):
+            bound = item.param.name if isinstance(item, ast.FunctionArg) else item.var.name
+            body = item.body
+            out |= _referenced_names(body) - {bound}
+            if isinstance(item, ast.Comprehension):
+                stack.append(item.range)
+            continue
         if hasattr(item, "__dataclass_fields__"):
             stack.extend(getattr(item, f) for f in item.__dataclass_fields__)
         elif isinstance(item, tuple):

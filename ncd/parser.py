@@ -60,6 +60,11 @@ _FRIENDLY = {
     "$END": "end of file",
     "FUNC_HEAD": "an inline function such as `a1(x) =`",
     "COMPARE": "a comparison",
+    "_OVER": "'over'",
+    "_FOR": "'for'",
+    "_AND": "'and'",
+    "_OR": "'or'",
+    "_NOT": "'not'",
 }
 
 
@@ -279,6 +284,15 @@ class _ToAst(Transformer[Any, Any]):
 
     def compare(self, meta, items):
         return ast.Binary(str(items[1]), items[0], items[2], self._span(meta))
+
+    def or_op(self, meta, items):
+        return self._binary("or", meta, items)
+
+    def and_op(self, meta, items):
+        return self._binary("and", meta, items)
+
+    def not_op(self, meta, items):
+        return ast.Not(items[0], self._span(meta))
 
     def _binary(self, op: str, meta: Any, items: list[Any]) -> ast.Binary:
         return ast.Binary(op, items[0], items[1], self._span(meta))

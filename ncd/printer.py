@@ -9,7 +9,8 @@ import sympy
 from . import ast, ir
 from .source import Span
 
-_PREC = {"cmp": 1, "+": 2, "-": 2, "*": 3, "/": 3, "neg": 4, "^": 5}
+# Binding strength, loosest first (docs/language.md §8): a child looser than its parent is parenthesised.
+_PREC = {"or": 1, "and": 2, "not": 3, "cmp": 4, "+": 5, "-": 5, "*": 6, "/": 6, "neg": 7, "^": 8}
 
 
 def format_ast(module: ast.Module) -> str:
@@ -91,6 +92,8 @@ def format_node(node: ir.Node, parent: int = 0) -> str:
     if isinstance(node, ir.Unary):
         if node.fn == "neg":
             return _paren(f"-{format_node(node.arg, _PREC['neg'])}", _PREC["neg"], parent)
+        if node.fn == "not":
+            return _paren(f"not {format_node(node.arg, _PREC['not'])}", _PREC["not"], parent)
         return f"{node.fn}({format_node(node.arg)})"
     if isinstance(node, ir.Binary):
         if node.op in ("max", "min"):
@@ -99,7 +102,7 @@ def format_node(node: ir.Node, parent: int = 0) -> str:
         text = f"{format_node(node.lhs, prec)} {node.op} {format_node(node.rhs, prec + 1)}"
         return _paren(text, prec, parent)
     if isinstance(node, ir.Pow):
-        return _paren(f"{format_node(node.base, 6)}^{node.exponent}", _PREC["^"], parent)
+        return _paren(f"{format_node(node.base, _PREC['^'] + 1)}^{node.exponent}", _PREC["^"], parent)
     if isinstance(node, ir.Where):
         return f"where({format_node(node.cond)}, {format_node(node.then)}, {format_node(node.otherwise)})"
     if isinstance(node, ir.FiniteSum):

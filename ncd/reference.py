@@ -336,9 +336,10 @@ def _int(expr: sympy.Expr, scope: Mapping[str, object]) -> int:
 _UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "neg": torch.neg, "abs": torch.abs, "sign": torch.sign, "exp": torch.exp, "log": torch.log,
     "sqrt": torch.sqrt, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sin": torch.sin, "cos": torch.cos,
-    "acos": torch.acos,
+    "acos": torch.acos, "not": torch.logical_not,
 }
 _BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "+": torch.add, "-": torch.sub, "*": torch.mul, "/": torch.div, "max": torch.maximum, "min": torch.minimum,
     "<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge, "==": torch.eq, "!=": torch.ne,
+    "and": torch.logical_and, "or": torch.logical_or,
 }

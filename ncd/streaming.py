@@ -19,7 +19,7 @@ spelled-out form is separated symbolically into a1(s) / b(r) or rejected with th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 
@@ -55,6 +55,11 @@ class Certificate:
     scale: sympy.Expr  # s = scale * (the contraction): a number or a scalar input's symbol
     span: Span
     pre: sympy.Expr = X  # in X: element-wise pre-map h of the scaled score; a1, a2 are maps of t = h(s)
+    # score modifier s' = modifier(x, ...) of the scaled score x that reads positions, tensors or call-time
+    # values (ALiBi, a bias, a learned temperature); a1, a2 (and pre) are maps of s'. `leaves` names the IR node
+    # behind each of its symbols other than X (modifier_symbol).
+    modifier: sympy.Expr | None = None
+    leaves: tuple[tuple[str, ir.Node], ...] = ()
 
     @property
     def state(self) -> tuple[str, ...]:
@@ -73,6 +78,8 @@ class Certificate:
         d = self.derivatives()
         lines = [f"stream {self.output} over '{self.axis}' (normalized-contraction lemma)",
                  f"  x = {self.scale} * (the score contraction)",
+                 *([f"  score modifier: s' = {self.modifier}; a1, a2 below are maps of s'"]
+                   if self.modifier is not None else []),
                  *([f"  pre-map (stabiliser): t = h(x) = {self.pre}; a1, a2 below are maps of t"]
                    if self.pre != X else []),
                  f"  a1(x) = {self.a1}    a2(x) = {self.a2}    b(z) = {self.b}"]
@@ -262,10 +269,43 @@ def _map_of(program: ir.Program, node: ir.Node, score: ir.Node, axis: str, blame
             return sympy.Symbol(n.tensor, positive=True)
         if isinstance(n, ir.Const | ir.SizeOf):
             return None  # the number, or the size
+        if isinstance(n, ir.AxisIndex) or (isinstance(n, ir.Load) and n.axes
+                                           and all(i.axis is not None for i in n.index)):
+            return modifier_symbol(program, n)  # a score modifier: positions, tensors read next to the scores
         raise NotStreamable(n.span, detail=f"{type(n).__name__.lower()} inside the normalised scores is not an "
                             f"element-wise map of one score, so the fusion theorem does not apply")
 
     return to_sympy(node, {a.name: a for a in program.axes}, leaf=leaf)
+
+
+FLOAT_DTYPES = ("f16", "bf16", "f32", "f64")
+
+
+def modifier_symbol(program: ir.Program, node: ir.Node) -> sympy.Symbol:
+    """The symbol a score modifier or mask uses for a position (`key`) or an element of a tensor that the
+    kernels read next to the scores (`slope[head]`, `bias[head query key]`): its name says which, so that equal
+    loads share one symbol; integer-valued where the value is."""
+    if isinstance(node, ir.AxisIndex):
+        return sympy.Symbol(f"pos_{node.axis}", integer=True)
+    assert isinstance(node, ir.Load)
+    name = "_".join(["t", node.tensor, *(i.axis or "" for i in node.index)])
+    if program.tensor(node.tensor).dtype in FLOAT_DTYPES:
+        return sympy.Symbol(name, real=True)
+    return sympy.Symbol(name, integer=True)
+
+
+def modifier_leaves(expr: sympy.Basic, program: ir.Program, node: ir.Node) -> tuple[tuple[str, ir.Node], ...]:
+    """(symbol name, IR node) for every position or tensor symbol of `expr`, found in the IR under `node`."""
+    found: dict[str, ir.Node] = {}
+    for n in ir.walk_inlined(program, node):
+        if isinstance(n, ir.AxisIndex | ir.Load) and (isinstance(n, ir.AxisIndex) or n.axes):
+            found.setdefault(modifier_symbol(program, n).name, n)
+    names = {s.name for s in expr.free_symbols}
+    return tuple(sorted((k, v) for k, v in found.items() if k in names))
+
+
+def is_modifier_symbol(symbol: sympy.Basic) -> bool:
+    return isinstance(symbol, sympy.Symbol) and symbol.name.startswith(("pos_", "t_"))
 
 
 def _split_scale(pre: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
@@ -278,12 +318,38 @@ def _split_scale(pre: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
 
 def _from_normalize(program: ir.Program, d: ir.Definition, norm: ir.Normalize) -> Certificate:
     _, pre = _score(program, norm.arg, norm.over, norm)
+    if any(is_modifier_symbol(s) for s in pre.free_symbols):
+        return _with_modifier(program, d, norm, pre)
     scale, rest = _split_scale(pre)
     axes = {a.name: a for a in program.axes}  # size(...) in a map is the axis size (a number or a size symbol)
     a1 = lambda_to_sympy(norm.a1, X, axes).subs(X, rest)
     a2 = lambda_to_sympy(norm.a2, X, axes).subs(X, rest)
     b = lambda_to_sympy(norm.b, Z, axes)
+    folded = _fold_into_scale(a1, a2)
+    if (folded[0].free_symbols | folded[1].free_symbols) - {X}:  # a scalar input or call-time size the scale
+        return _with_modifier(program, d, norm, pre)            # cannot take (`s - log(size(key))`): a modifier
     return _certificate(program, d, norm.over, a1, a2, b, scale, norm.span, norm)
+
+
+def _with_modifier(program: ir.Program, d: ir.Definition, norm: ir.Normalize, pre: sympy.Expr) -> Certificate:
+    """A score that reads positions or tensors: s' = modifier(x) with x = scale * (the contraction), where scale is
+    the score's slope at 0 when that is a positive factor free of positions and tensors (the kernels' scale), and
+    a1, a2, b the normaliser's own maps of s'."""
+    slope = sympy.simplify(sympy.diff(pre, X).subs(X, 0))
+    scale = sympy.Integer(1)
+    if slope.is_positive and slope.is_finite and not any(is_modifier_symbol(s) for s in slope.free_symbols):
+        scale = slope
+    modifier = sympy.simplify(pre.subs(X, X / scale))
+    if _has_exponential(modifier):
+        raise NotStreamable(norm.arg.span, detail=f"the score modifier {modifier} holds an exponential, which can "
+                            "overflow before the normaliser's stabiliser sees it",
+                            hint="move the exponential into a1/a2 of normalize(...)")
+    axes = {a.name: a for a in program.axes}
+    a1 = lambda_to_sympy(norm.a1, X, axes)
+    a2 = lambda_to_sympy(norm.a2, X, axes)
+    b = lambda_to_sympy(norm.b, Z, axes)
+    cert = _certificate(program, d, norm.over, a1, a2, b, scale, norm.span, norm, fold=False)
+    return replace(cert, modifier=modifier, leaves=modifier_leaves(modifier, program, norm.arg))
 
 
 def _fold_into_scale(a1: sympy.Expr, a2: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
@@ -313,6 +379,11 @@ def _from_expression(program: ir.Program, d: ir.Definition, weights: ir.Node, ax
                             "function of a sum, so Lemma 1 does not apply",
                             hint="write the normaliser as b(sum(a2(S), over AXIS))")
     score, pre = _score(program, aggregate.arg, axis, aggregate)
+    if any(is_modifier_symbol(s) for s in pre.free_symbols):
+        raise NotStreamable(aggregate.span, detail="this normaliser is spelled out, and its score reads positions "
+                            "or tensors besides the contraction (a score modifier)",
+                            hint="write it with normalize(S, over AXIS, a1(x) = ..., a2(x) = ..., b(z) = ...), "
+                            "which takes score modifiers")
     scale, _ = _split_scale(pre)
     r = sympy.Symbol("r", positive=True)
     a2 = _map_of(program, aggregate.arg, score, axis, aggregate).subs(X, X / scale)
@@ -330,9 +401,10 @@ def _from_expression(program: ir.Program, d: ir.Definition, weights: ir.Node, ax
 
 
 def _certificate(program: ir.Program, d: ir.Definition, axis: str, a1: sympy.Expr, a2: sympy.Expr,
-                 b: sympy.Expr, scale: sympy.Expr, span: Span, blame: ir.Node) -> Certificate:
-    a1, a2, factor = _fold_into_scale(a1, a2)
-    scale = scale * factor
+                 b: sympy.Expr, scale: sympy.Expr, span: Span, blame: ir.Node, fold: bool = True) -> Certificate:
+    if fold:
+        a1, a2, factor = _fold_into_scale(a1, a2)
+        scale = scale * factor
     for name, f in (("a1", a1), ("a2", a2)):
         if f.free_symbols - {X}:
             raise NotStreamable(blame.span, detail=f"{name}(x) = {f} reads {sorted(map(str, f.free_symbols - {X}))}"

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import sympy
+from sympy.core.relational import Relational
 from sympy.printing.str import StrPrinter
 
 from . import ir
@@ -54,6 +55,30 @@ def to_sympy(node: ir.Node, axes: Mapping[str, ir.Axis] | None = None,
         return _default_leaf(n, axes, variables or {}) if converted is None else converted
 
     return walk(node)
+
+
+_RELATIONS: dict[str, type[Relational]] = {
+    "<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge, "==": sympy.Eq, "!=": sympy.Ne,
+}
+
+
+def condition_to_sympy(node: ir.Node, axes: Mapping[str, ir.Axis] | None = None, *,
+                       leaf: LeafHook | None = None) -> sympy.Basic:
+    """An IR condition (a comparison, and/or of conditions, not of a condition) as a sympy boolean: And, Or and Not
+    of relationals (Lt, Le, Gt, Ge, Eq, Ne), unevaluated so that the spec's structure survives (`key <= key` stays
+    a relational, not True). Each comparison's sides are converted by `to_sympy(side, axes, leaf=leaf)`: the
+    caller's leaf hook decides what axis positions, loads and scalar inputs become. Anything else (a number where a
+    condition belongs) raises TypeError, as `to_sympy` does for what is not a scalar expression."""
+    if isinstance(node, ir.Unary) and node.fn == "not":
+        return sympy.Not(condition_to_sympy(node.arg, axes, leaf=leaf), evaluate=False)
+    if isinstance(node, ir.Binary) and node.op in ir.LOGICAL:
+        join = sympy.And if node.op == "and" else sympy.Or
+        return join(condition_to_sympy(node.lhs, axes, leaf=leaf), condition_to_sympy(node.rhs, axes, leaf=leaf),
+                    evaluate=False)
+    if isinstance(node, ir.Binary) and node.op in _RELATIONS:
+        lhs, rhs = to_sympy(node.lhs, axes, leaf=leaf), to_sympy(node.rhs, axes, leaf=leaf)
+        return _RELATIONS[node.op](lhs, rhs, evaluate=False)
+    raise TypeError(f"{type(node).__name__} is not a condition")
 
 
 def _default_leaf(node: ir.Node, axes: Mapping[str, ir.Axis] | None,

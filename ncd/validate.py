@@ -83,6 +83,9 @@ class Report(list[Row]):
         return self
 
 
+INTEGER_DTYPES = {"i32": torch.int32, "i64": torch.int64}
+
+
 def random_inputs(op: Op, kernel_plan: KernelPlan, sizes: dict[str, int], dtype: torch.dtype, device: str,
                   generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """Standard normal tensors; inputs the plan treats as constants (multiplicities) in [0.5, 2), fp32."""
@@ -91,7 +94,11 @@ def random_inputs(op: Op, kernel_plan: KernelPlan, sizes: dict[str, int], dtype:
         if not t.axes:
             continue
         shape = [sizes[a] for a in t.axes]
-        if t.name in kernel_plan.constant_inputs():
+        if t.dtype in INTEGER_DTYPES:  # lengths, ids: small, at least 2 (one key is no test); forms refine them
+            inputs[t.name] = torch.randint(2, 6, shape, generator=generator).to(device, INTEGER_DTYPES[t.dtype])
+        elif t.dtype == "bool":
+            inputs[t.name] = (torch.rand(shape, generator=generator) < 0.7).to(device)
+        elif t.name in kernel_plan.constant_inputs():
             value = torch.rand(shape, generator=generator, dtype=torch.float32) * 1.5 + 0.5
             inputs[t.name] = value.to(device)
         else:
@@ -182,7 +189,8 @@ def run_case(op: Op, forms, case: Case, device: str = "cpu", seed: int | None = 
     name = case.dtype_name
     tol, grad_tol = forms.tolerances(case)  # a family may state looser ones (reduced-precision products)
     quantities = [(kernel_plan.output, out, ref, tol)]
-    quantities += [(f"d{n}", g, r, grad_tol) for n, g, r in zip(differentiable, grads, ref_grads, strict=True)]
+    quantities += [(f"d{n}", g, r, forms.gradient_tolerance(case, n, grad_tol))
+                   for n, g, r in zip(differentiable, grads, ref_grads, strict=True)]
     floor = ROW_FLOOR[case.dtype]
     return Report([Row(q, name, _rel(v, r), t, row_error(v, r, floor), t * ROW_FACTOR, case.label)
                    for q, v, r, t in quantities], drawn=Drawn(inputs, differentiable, grad_out, ref_grads))

@@ -84,6 +84,10 @@ class Forms:
         """(output, gradient) relative tolerances of `case`; a family with reduced-precision products widens them."""
         return TOLERANCE[case.dtype], TOLERANCE[case.dtype]
 
+    def gradient_tolerance(self, case: Case, name: str, default: float) -> float:
+        """The relative tolerance of input `name`'s gradient (default: the case's gradient tolerance)."""
+        return default
+
     def draw(self, case: Case, inputs: dict[str, torch.Tensor], generator: torch.Generator | None
              ) -> dict[str, torch.Tensor]:
         if case.draw == "large":

@@ -40,7 +40,8 @@ def test_spec_forward_and_gradients_match_float64(path, op_cache):
         rows = validate(op, torch.float32)
     assert rows[0].quantity == op.front.program.outputs[0].name
     constants = plan(op.front).constant_inputs()
-    assert {r.quantity for r in rows} == {rows[0].quantity, *(f"d{t.name}" for t in op.front.program.inputs
+    program = op.front.program
+    assert {r.quantity for r in rows} == {rows[0].quantity, *(f"d{t.name}" for t in (*program.inputs, *program.params)
                                                                 if t.axes and t.name not in constants)}
     for row in rows:
         assert row.ok, (path.stem, row)

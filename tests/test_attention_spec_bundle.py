@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 from ncd.families.attention import kernel, kernel_chunked
-from ncd.families.attention.kernel import FLAGS, MAPS, Spec
+from ncd.families.attention.kernel import FLAGS, HOOKS, MAPS, Spec
 
 
 def _kernels():
@@ -23,7 +23,7 @@ assert len(KERNELS) >= 10, sorted(KERNELS)  # the streamed and factorized kernel
 
 
 def test_the_bundle_has_the_fields_the_host_passes():
-    assert Spec._fields == MAPS + FLAGS
+    assert Spec._fields == MAPS + HOOKS + FLAGS
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))

@@ -20,6 +20,13 @@ TWIN_DIM = 16  # attention head dim of the cheaper twin
 # first row normalised by one small score (measured: dQ 1.4e-2 over the tensor, 0.11 on a row, at one draw of
 # causal_gqa_spherical in both forms; at 5e-2, worst rows still reach 3.5e-2 against 4e-2).
 NEAR_SINGULAR_LOW_PRECISION = 0.1
+# Gradients of score-modifier tensors (ALiBi slopes, temperatures, biases) in bf16 draws: dslope = sum_ij dS_ij (j - i)
+# sums a whole head's scores, and with softmax sum_j dS_ij = 0, so it cancels. PyTorch's own bf16 autograd of the
+# same formula (eager, against float64, 37 causal queries, 2 heads, D 128) was off by 1.3e-3 to 0.14 over five draws
+# (median 2.7e-2); the kernels measured 2.8e-2.
+MODIFIER_GRAD_TOLERANCE_LOW_PRECISION = 0.15
+# An integer scalar that a mask reads (a window) is drawn at this value, so that it cuts the small odd sizes.
+MASK_SCALAR = 5
 
 
 class AttentionForms(Forms):
@@ -42,8 +49,51 @@ class AttentionForms(Forms):
             return ["streamed"]
         return ["streamed", "factorized"]
 
+    def _mask_inputs(self, inputs: dict[str, torch.Tensor], generator: torch.Generator | None
+                     ) -> dict[str, torch.Tensor]:
+        """Integer mask tensors drawn to cut the small sizes: per-token ids (documents) as sorted runs of uneven
+        length, one of them a single token; per-batch or per-head values (lengths, prefixes) in [0, N], one of them
+        0 (a fully masked row) where the batch or heads allow two; integer scalars (a window) at MASK_SCALAR."""
+        program = self.op.front.program
+        # one run of ids over the longer sequence, read by every per-token tensor at its positions: query i and key
+        # i are one token (self-attention over packed documents), so documents share rows and columns
+        n_tokens = max((v.shape[max(t.roles.index(r) for r in ("i", "j") if r in t.roles)]
+                        for t in self.plan.modifiers.tensors if not t.float and {"i", "j"} & set(t.roles)
+                        for v in [inputs[t.name]]), default=0)
+        ids = torch.zeros(0, dtype=torch.long)
+        if n_tokens:  # (no draw at all for specs without such tensors: their seeds keep their inputs)
+            starts = torch.rand(n_tokens, generator=generator) < 0.08  # documents of ~12 tokens, and one of 1
+            starts[0] = False
+            if n_tokens > 3:
+                starts[2:4] = True  # a document of one token (tokens 2 and 3 start new ones)
+            ids = starts.long().cumsum(0)
+        for t in self.plan.modifiers.tensors:
+            if t.float or t.name not in inputs:
+                continue
+            value = inputs[t.name]
+            if {"i", "j"} & set(t.roles):
+                dim = t.roles.index("i" if "i" in t.roles else "j")
+                shape = [1] * value.dim()
+                shape[dim] = value.shape[dim]
+                inputs[t.name] = ids[:value.shape[dim]].view(shape).expand(value.shape).to(value.device,
+                                                                                           value.dtype).clone()
+            else:
+                n = max(self.plan.validation_sizes(program).get(a, 0) for a in
+                        (self.plan.roles.q_axes[2], self.plan.roles.k_axes[2]))
+                drawn = torch.randint(2, n + 1, value.shape, generator=generator)  # (not 1: see "masked" below)
+                if drawn.numel() > 1:
+                    drawn.view(-1)[0] = 0
+                inputs[t.name] = drawn.to(value.device, value.dtype)
+        for name in self.plan.modifiers.scalars:
+            if program.tensor(name).dtype not in ("f16", "bf16", "f32", "f64"):
+                inputs[name] = torch.tensor(float(MASK_SCALAR))
+        return inputs
+
     def cases(self, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
-        draws = ["large", "zeros"] + (["masked"] if self.plan.roles.weight else [])
+        masked_rows = self.plan.roles.weight or any(not t.float for t in self.plan.modifiers.tensors) or any(
+            self.op.front.program.tensor(n).dtype not in ("f16", "bf16", "f32", "f64")
+            for n in self.plan.modifiers.scalars)
+        draws = ["large", "zeros"] + (["masked"] if masked_rows else [])
         out = [Case("streamed", "normal", FP32)]
         out += [Case("streamed", d, FP32, True) for d in draws]
         out += [Case("streamed", "normal", d, True) for d in dtypes if d != FP32]
@@ -95,6 +145,15 @@ class AttentionForms(Forms):
             out[head] = 2
         return out
 
+    def gradient_tolerance(self, case: Case, name: str, default: float) -> float:
+        grads = {t.name for t in self.plan.modifiers.grad_tensors}
+        return MODIFIER_GRAD_TOLERANCE_LOW_PRECISION if name in grads and case.dtype != FP32 else default
+
+    def call(self, op: Op, case: Case, leaves: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The tensors positionally, and the mask's integer scalars (drawn: `draw`) by name."""
+        scalars = {n: leaves[n] for n in self.plan.modifiers.scalars if n in leaves}
+        return op(*[leaves[t.name] for t in op.signature if t.axes], **{n: float(v) for n, v in scalars.items()})
+
     def condition(self, program: ir.Program, inputs: dict[str, torch.Tensor], generator: torch.Generator | None
                   ) -> dict[str, torch.Tensor]:
         return self.plan.condition_inputs(program, inputs, generator)
@@ -105,7 +164,7 @@ class AttentionForms(Forms):
         if case.dtype != FP32:  # the family's conditioning at bf16's rounding (a module switch of plan)
             with DictSwitch(vars(plan), {"NEAR_SINGULAR": NEAR_SINGULAR_LOW_PRECISION}):
                 inputs = self.plan.condition_inputs(self.op_for(case).front.program, inputs, generator)
-        out = dict(inputs)
+        out = self._mask_inputs(dict(inputs), generator)
         if case.draw == "large":  # scores of several hundred: exp(s) overflows fp32 unless stabilised
             out[r.query], out[r.key] = inputs[r.query] * 8, inputs[r.key] * 8
         elif case.draw == "zeros":  # exact zeros: whole query and key rows, and scattered elements
@@ -117,6 +176,16 @@ class AttentionForms(Forms):
             if r.weight:  # zero multiplicities, never all of a row's keys
                 w_dim = program.tensor(r.weight).axes.index(r.k_axes[2])
                 out[r.weight] = zero_rows(inputs[r.weight], w_dim, 3)
+        elif case.draw == "masked" and not r.weight:  # the mask's own masked rows: lengths of 0, two-key windows
+            # (not one key: a row that sees a single key has dQ = dK = 0 exactly, and fp32's rounding of dP - delta
+            # against a float64 zero is no measure of the kernels)
+            program = self.op.front.program
+            for t in self.plan.modifiers.tensors:
+                if not t.float and not {"i", "j"} & set(t.roles):
+                    out[t.name] = torch.zeros_like(out[t.name])
+            for name in self.plan.modifiers.scalars:
+                if program.tensor(name).dtype not in ("f16", "bf16", "f32", "f64"):
+                    out[name] = torch.tensor(2.0)
         elif case.draw == "masked":  # rows with no visible key of nonzero weight: output 0, no gradient
             w_axes = self.op.front.program.tensor(r.weight).axes
             w = inputs[r.weight].clone()

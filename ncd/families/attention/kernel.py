@@ -57,12 +57,15 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 # Every kernel that evaluates the spec's maps takes them and the flags last, in this order, all constexpr:
 MAPS = ("A1", "A2", "DA1", "DA2", "B", "DB_OVER_B", "PRE", "DPRE")
-FLAGS = ("CAUSAL", "HAS_WEIGHT", "ONLINE_MAX", "EXP2", "SAME_A", "HAS_PRE")
+HOOKS = ("SCORE", "DSCORE", "SCORE_GRADS", "MASK", "KEY_RANGE", "QUERY_RANGE")  # modifiers.py; optional
+FLAGS = ("CAUSAL", "HAS_WEIGHT", "ONLINE_MAX", "EXP2", "SAME_A", "HAS_PRE", "HAS_SCORE", "HAS_MASK",
+         "HAS_SCORE_GRADS")
 
 
 class Spec(NamedTuple):
-    """The maps and flags (MAPS + FLAGS, in that order) as one constexpr for the device functions: a kernel bundles
-    its arguments, `S: tl.constexpr = Spec(A1, ..., HAS_PRE)`, and a device function reads `S.A1(x)`, `S.CAUSAL`.
+    """The maps, hooks and flags (MAPS + HOOKS + FLAGS, in that order) as one constexpr for the device functions: a
+    kernel bundles its arguments, `S: tl.constexpr = Spec(A1, ..., HAS_SCORE_GRADS)`, and a device function reads
+    `S.A1(x)`, `S.CAUSAL`.
     Triton resolves the fields at compile time, as it does the arguments themselves: the same compiled code."""
 
     A1: Any
@@ -73,18 +76,42 @@ class Spec(NamedTuple):
     DB_OVER_B: Any
     PRE: Any
     DPRE: Any
+    SCORE: Any
+    DSCORE: Any
+    SCORE_GRADS: Any
+    MASK: Any
+    KEY_RANGE: Any
+    QUERY_RANGE: Any
     CAUSAL: Any
     HAS_WEIGHT: Any
     ONLINE_MAX: Any
     EXP2: Any
     SAME_A: Any
     HAS_PRE: Any
+    HAS_SCORE: Any
+    HAS_MASK: Any
+    HAS_SCORE_GRADS: Any
 
 
 @triton.jit
 def identity(x):
-    """The pre-map of a spec without one (never called: HAS_PRE is False there)."""
+    """The pre-map of a spec without one (never called: HAS_PRE is False there), and the stand-in for the hooks
+    of a spec without modifiers (never called: HAS_SCORE, HAS_MASK are False there)."""
     return x
+
+
+@triton.jit
+def _segments(lo, full_lo, full_hi, hi, N, BLOCK: tl.constexpr):
+    """Block-aligned (start, a, b, end) from a mask's range over a block of rows (modifiers.py: it sees no
+    position outside [lo, hi) and every one in [full_lo, full_hi)): blocks [start, a) and [b, end) run masked,
+    [a, b) unmasked. The unmasked blocks lie inside [0, N) whole; an empty [lo, hi) runs nothing."""
+    lo = tl.maximum(lo, 0)
+    hi = tl.minimum(hi, N)
+    start = lo // BLOCK * BLOCK
+    end = tl.where(hi > lo, (hi + BLOCK - 1) // BLOCK * BLOCK, start)
+    a = tl.minimum(tl.maximum((full_lo + BLOCK - 1) // BLOCK * BLOCK, start), end)
+    b = tl.maximum(tl.minimum(tl.minimum(full_hi, N) // BLOCK * BLOCK, end), a)
+    return start, a, b, end
 
 
 @triton.jit
@@ -271,12 +298,13 @@ def _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, in_k,
 @triton.jit
 def _fwd_block(
     acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_wn,
-    start_n, offs_m, offs_d, d_ok, N_K, scale, qk_scale, off_b, off_hk,
+    start_n, offs_m, offs_d, d_ok, N_K, scale, qk_scale, off_b, off_hk, off_h, C,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
     NEG_SCALE: tl.constexpr, UNIT_SCALE: tl.constexpr, TMA: tl.constexpr, S: tl.constexpr,
 ):
-    """Accumulate the key block at start_n into (acc, z, m); MASKED blocks apply the bounds (and causal) masks.
-    qk_scale = scale * log2(e) (EXP2)."""
+    """Accumulate the key block at start_n into (acc, z, m); MASKED blocks apply the bounds (and causal, or the
+    spec's) masks. qk_scale = scale * log2(e) (EXP2). With HAS_MASK a row may have seen no key yet (m = -inf):
+    its running max counts as 0 there, so that no -inf - (-inf) forms."""
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_k = offs_n < N_K
@@ -288,18 +316,24 @@ def _fwd_block(
         s = _dot(q, tl.trans(k), None, PRECISION)
         if not UNIT_SCALE:  # scale == 1 (e.g. spherical, where any positive scale cancels): skip the multiply
             s = s * scale
+        if S.HAS_SCORE:
+            s = S.SCORE(s, offs_m[:, None], offs_n[None, :], off_b, off_h, C)  # s' = the spec's modifier
         if S.HAS_PRE:
             s = S.PRE(s)  # t = h(s): the maps and the running max take t
     if MASKED:
         visible = in_k[None, :]
         if S.CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        if S.HAS_MASK:
+            visible = visible & S.MASK(offs_m[:, None], offs_n[None, :], off_b, off_h, C)
     if S.EXP2:
         # a1 = a2 = exp with a running row max m (kept in base-2 units here): one exp2 per score, one
         # per row for the rescale
         if MASKED:
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(qk, 1))
+            if S.HAS_MASK:
+                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(qk - m_new[:, None])
         else:
             if NEG_SCALE:
@@ -321,6 +355,8 @@ def _fwd_block(
             # running row max: evaluate the maps at s - m, rescale what was accumulated so far
             if MASKED:
                 m_new = tl.maximum(m, tl.max(tl.where(visible, s, float("-inf")), 1))
+                if S.HAS_MASK:
+                    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
             else:
                 m_new = tl.maximum(m, tl.max(s, 1))
             acc = acc * S.A1(m - m_new)[:, None]
@@ -351,7 +387,7 @@ def _fwd_block(
 @triton.jit
 def _fwd_inner(
     acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_wn,
-    offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk,
+    offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk, off_h, C,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     NEG_SCALE: tl.constexpr, UNIT_SCALE: tl.constexpr, TMA: tl.constexpr, S: tl.constexpr,
 ):
@@ -361,11 +397,13 @@ def _fwd_inner(
     qk_scale = scale * LOG2E  # EXP2: s * log2(e) - m2 = (s - m) * log2(e), exp(x) = exp2(x log2 e)
     for start_n in range(lo, full_end, BLOCK_N):
         acc, z, m = _fwd_block(acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               stride_wn, start_n, offs_m, offs_d, d_ok, N_K, scale, qk_scale, off_b, off_hk, False,
+                               stride_wn, start_n, offs_m, offs_d, d_ok, N_K, scale, qk_scale, off_b, off_hk, off_h,
+                               C, False,
                                BLOCK_N, HEAD_DIM, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
     for start_n in range(full_end, hi, BLOCK_N):
         acc, z, m = _fwd_block(acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               stride_wn, start_n, offs_m, offs_d, d_ok, N_K, scale, qk_scale, off_b, off_hk, True,
+                               stride_wn, start_n, offs_m, offs_d, d_ok, N_K, scale, qk_scale, off_b, off_hk, off_h,
+                               C, True,
                                BLOCK_N, HEAD_DIM, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
     return acc, z, m
 
@@ -378,19 +416,23 @@ def fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_wb, stride_wn,
-    scale, HQ, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK,
+    scale, HQ, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK, C, G,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     NEG_SCALE: tl.constexpr, UNIT_SCALE: tl.constexpr, TMA: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
+    KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
-    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
     """One program per (query block, batch * query head); loops over key blocks. Q, K, V, O are TMA
     descriptors of the [B, H, N, D] tensors when TMA, else pointers."""
-    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A,
-                           HAS_PRE)
+    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
+                           KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
     bh, off_b, off_h, off_hk, start_m, offs_m = _query_block_program(HQ, GROUP, BLOCK_M, CAUSAL, HEADS_FAST)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     in_q = offs_m < N_Q
@@ -412,10 +454,21 @@ def fwd_kernel(
     else:
         m = tl.zeros([BLOCK_M], dtype=tl.float32)  # no running max: the maps are evaluated at s itself
 
-    full_end, hi = _key_blocks(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, z, m = _fwd_inner(acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_wn,
-                           offs_m, 0, full_end, hi, N_K, scale, off_b, off_hk, BLOCK_N, HEAD_DIM, D, PRECISION,
-                           NEG_SCALE, UNIT_SCALE, TMA, S)
+    if HAS_MASK:  # the spec's mask: skip the key blocks it hides, run those it shows whole without it
+        lo, full_lo, full_hi, hi = KEY_RANGE(offs_m, off_b, off_h, C)
+        start, a, b, end = _segments(lo, full_lo, full_hi, hi, N_K, BLOCK_N)
+        acc, z, m = _fwd_inner(acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               stride_wn, offs_m, start, start, a, N_K, scale, off_b, off_hk, off_h, C, BLOCK_N,
+                               HEAD_DIM, D, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
+        acc, z, m = _fwd_inner(acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               stride_wn, offs_m, a, b, end, N_K, scale, off_b, off_hk, off_h, C, BLOCK_N, HEAD_DIM,
+                               D, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
+        m = tl.where(m == float("-inf"), 0.0, m)  # a row that sees no key: its saved max stays finite
+    else:
+        full_end, hi = _key_blocks(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+        acc, z, m = _fwd_inner(acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               stride_wn, offs_m, 0, full_end, hi, N_K, scale, off_b, off_hk, off_h, C, BLOCK_N,
+                               HEAD_DIM, D, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
 
     o = _finish_rows(acc, z, in_q, B)
     if TMA:  # the bulk store clips rows past N_Q
@@ -493,11 +546,16 @@ def _across(rows, KEYS_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, PRECISION: tl.constexpr,
-                 KEYS_ROWS: tl.constexpr, S: tl.constexpr):
-    """(P, dS) of one score tile, before weights and masks: scores a b^T, dP = da db^T. KEYS_ROWS (the dK/dV side):
-    a, b, da, db = k, q, v, dO, the tiles are transposed (rows are keys), P is returned and the row max is loaded
-    from m_base; else q, k, dO, v with the row max m given (in base-2 units with EXP2) and P not needed."""
+def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, i, j, off_b, off_h, C,
+                 PRECISION: tl.constexpr, KEYS_ROWS: tl.constexpr, S: tl.constexpr):
+    """(P, dS, s, ds'/ds) of one score tile, before weights and masks: scores a b^T, dP = da db^T. KEYS_ROWS (the
+    dK/dV side): a, b, da, db = k, q, v, dO, the tiles are transposed (rows are keys), P is returned and the row max
+    is loaded from m_base; else q, k, dO, v with the row max m given (in base-2 units with EXP2) and P not needed.
+    With a score modifier (HAS_SCORE; i, j: the tile's broadcastable query and key positions) dS is the gradient of
+    the modified score s', and s (the scaled score) and ds'/ds come back for the modifier's own gradients; without
+    one they are 0 and 1."""
+    s0 = 0.0
+    dmod = 1.0
     if S.EXP2:
         qk = _dot(a, tl.trans(b), None, PRECISION)
         if KEYS_ROWS:
@@ -508,6 +566,10 @@ def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, PRE
         ds = e * (dp * _across(inv_b, KEYS_ROWS) - _across(delta, KEYS_ROWS))
     else:
         s = _dot(a, tl.trans(b), None, PRECISION) * scale
+        if S.HAS_SCORE:
+            s0 = s
+            dmod = S.DSCORE(s, i, j, off_b, off_h, C)
+            s = S.SCORE(s, i, j, off_b, off_h, C)
         if S.HAS_PRE:
             dpre = S.DPRE(s)  # chain rule through t = h(s)
             s = S.PRE(s)
@@ -525,7 +587,7 @@ def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, PRE
         ds = S.DA1(x) * dp * _across(inv_b, KEYS_ROWS) - S.DA2(x) * _across(delta, KEYS_ROWS)
         if S.HAS_PRE:
             ds = ds * dpre
-    return p1, ds
+    return p1, ds, s0, dmod
 
 
 # ---------------------------------------------------------------------------------------------
@@ -538,7 +600,7 @@ def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, PRE
 def _dkdv_block(
     dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base,
     stride_qm, stride_qd, stride_dom, stride_dod,
-    start_m, offs_n, offs_d, d_ok, N_Q, scale, off_b, off_h,
+    start_m, offs_n, offs_d, d_ok, N_Q, scale, off_b, off_h, C, G,
     MASKED: tl.constexpr, KEY_MASK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr, TMA: tl.constexpr, S: tl.constexpr,
 ):
@@ -556,7 +618,8 @@ def _dkdv_block(
         do = _load_rows(do_base, offs_m, stride_dom, stride_dod, offs_d, in_q, d_ok)
     inv_b = _inv_b(tl.load(z_base + offs_m, mask=in_q, other=1.0), S.B)
     delta = tl.load(delta_base + offs_m, mask=in_q, other=0.0)
-    p1_t, ds_t = _score_grads(k, q, v, do, inv_b, delta, 0.0, m_base, offs_m, in_q, scale, PRECISION, True, S)
+    p1_t, ds_t, s_t, dmod_t = _score_grads(k, q, v, do, inv_b, delta, 0.0, m_base, offs_m, in_q, scale,
+                                           offs_m[None, :], offs_n[:, None], off_b, off_h, C, PRECISION, True, S)
     if S.HAS_WEIGHT:
         p1_t = p1_t * w[:, None]
         ds_t = ds_t * w[:, None]
@@ -565,8 +628,17 @@ def _dkdv_block(
             visible = offs_m[None, :] >= offs_n[:, None]
             p1_t = tl.where(visible, p1_t, 0.0)
             ds_t = tl.where(visible, ds_t, 0.0)
+    if S.HAS_MASK:
+        if MASKED:  # bounds too: a row past N_Q may hold a modified score that overflows
+            visible = in_k[:, None] & in_q[None, :] & S.MASK(offs_m[None, :], offs_n[:, None], off_b, off_h, C)
+            p1_t = tl.where(visible, p1_t, 0.0)
+            ds_t = tl.where(visible, ds_t, 0.0)
     if KEY_MASK:
         ds_t = tl.where(in_k[:, None], ds_t, 0.0)
+    if S.HAS_SCORE:
+        if S.HAS_SCORE_GRADS:  # each (query, key) pair passes here once: the modifier tensors' gradients
+            S.SCORE_GRADS(ds_t, s_t, offs_m[None, :], offs_n[:, None], off_b, off_h, C, G)
+        ds_t = ds_t * dmod_t
     dv = _dot(p1_t.to(do.dtype), do, dv, PRECISION)
     ds_t = ds_t.to(q.dtype)
     dk = _dot(ds_t, q, dk, PRECISION)
@@ -589,19 +661,20 @@ def _store_ds(ds_dst, ds_t, bh, start_n, start_m, offs_n, offs_m, in_q, stride_d
 def _bwd_dkdv_inner(
     dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base,
     stride_qm, stride_qd, stride_dom, stride_dod,
-    start_n, lo, diag_end, hi, N_Q, N_K, scale, off_b, off_h, ds_dst, bh, stride_dsn,
+    start_n, lo, diag_end, hi, N_Q, N_K, scale, off_b, off_h, ds_dst, bh, stride_dsn, C, G,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     PRECISION: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr, DS_BULK: tl.constexpr, S: tl.constexpr,
 ):
-    """dK, dV of the key block at start_n over the query blocks [lo, diag_end) (causal: masked on the diagonal) and
-    [diag_end, hi) of one query head. STORE_DS: each dS^T tile (masked entries 0) also goes to ds_dst (`_store_ds`)."""
+    """dK, dV of the key block at start_n over the query blocks [lo, diag_end) (causal, or the spec's mask: masked)
+    and [diag_end, hi) of one query head. STORE_DS: each dS^T tile (masked entries 0) also goes to ds_dst
+    (`_store_ds`)."""
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if S.CAUSAL:
+    if S.CAUSAL or S.HAS_MASK:
         for start_m in range(lo, diag_end, BLOCK_M):
             dk, dv, ds_t, offs_m, in_q = _dkdv_block(
                 dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base, stride_qm, stride_qd,
-                stride_dom, stride_dod, start_m, offs_n, offs_d, d_ok, N_Q, scale, off_b, off_h, True, False,
+                stride_dom, stride_dod, start_m, offs_n, offs_d, d_ok, N_Q, scale, off_b, off_h, C, G, True, False,
                 BLOCK_M, HEAD_DIM, PRECISION, TMA, S)
             if STORE_DS:
                 _store_ds(ds_dst, ds_t, bh, start_n, start_m, offs_n, offs_m, in_q, stride_dsn, N_K, BLOCK_N, BLOCK_M,
@@ -609,7 +682,7 @@ def _bwd_dkdv_inner(
     for start_m in range(diag_end, hi, BLOCK_M):
         dk, dv, ds_t, offs_m, in_q = _dkdv_block(
             dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base, stride_qm, stride_qd,
-            stride_dom, stride_dod, start_m, offs_n, offs_d, d_ok, N_Q, scale, off_b, off_h, False, False,
+            stride_dom, stride_dod, start_m, offs_n, offs_d, d_ok, N_Q, scale, off_b, off_h, C, G, False, False,
             BLOCK_M, HEAD_DIM, PRECISION, TMA, S)
         if STORE_DS:
             _store_ds(ds_dst, ds_t, bh, start_n, start_m, offs_n, offs_m, in_q, stride_dsn, N_K, BLOCK_N, BLOCK_M,
@@ -627,19 +700,23 @@ def bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_wb, stride_wn, stride_dsn,
-    scale, HQ, HKV, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK,
+    scale, HQ, HKV, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK, C, G,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     TMA: tl.constexpr, STORE_DS: tl.constexpr, DS_BULK: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
+    KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
-    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
     """STORE_DS: also stores every dS^T tile into DS ([B * Hq, Nk, Nq], row stride stride_dsn; a descriptor when
     DS_BULK), for the dQ-from-dS kernel."""
-    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A,
-                           HAS_PRE)
+    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
+                           KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
     _, off_b, off_hk, _, start_n, offs_n = _key_block_program(HKV, BLOCK_N, HEADS_FAST)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     in_k = offs_n < N_K
@@ -655,11 +732,26 @@ def bwd_dkdv_kernel(
             ds_dst = DS
         else:
             ds_dst = DS + bh.to(tl.int64) * N_K * stride_dsn
-        dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
-            stride_qm, stride_qd, stride_dom, stride_dod, start_n, lo, diag_end, N_Q, N_Q, N_K, scale, off_b, off_h,
-            ds_dst, bh, stride_dsn, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, TMA, STORE_DS, DS_BULK, S,
-        )
+        if HAS_MASK:  # the query blocks that see some key of this block, and those that see all of them
+            q_lo, q_full_lo, q_full_hi, q_hi = QUERY_RANGE(offs_n, off_b, off_h, C)
+            start, a, b, end = _segments(q_lo, q_full_lo, q_full_hi, q_hi, N_Q, BLOCK_M)
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, start_n, start, a, b, N_Q, N_K, scale, off_b, off_h,
+                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, TMA, STORE_DS, DS_BULK, S,
+            )
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, start_n, b, end, end, N_Q, N_K, scale, off_b, off_h,
+                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, TMA, STORE_DS, DS_BULK, S,
+            )
+        else:
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, start_n, lo, diag_end, N_Q, N_Q, N_K, scale, off_b,
+                off_h, ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, TMA, STORE_DS,
+                DS_BULK, S,
+            )
     dk = dk * scale
     _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, in_k, stride_dkb, stride_dkh, stride_dkn,
                      stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd)
@@ -673,23 +765,29 @@ def bwd_dkdv_kernel(
 @triton.jit
 def _dq_block(
     dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_wn,
-    start_n, offs_m, offs_d, d_ok, N_K, scale, off_b, off_hk,
+    start_n, offs_m, offs_d, d_ok, N_K, scale, off_b, off_hk, off_h, C,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
     TMA: tl.constexpr, S: tl.constexpr,
 ):
-    """Add the key block at start_n's share to dQ; MASKED blocks apply the bounds (and causal) masks."""
+    """Add the key block at start_n's share to dQ; MASKED blocks apply the bounds (and causal, or the spec's)
+    masks."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_k = offs_n < N_K
     k, v = _load_kv(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_n, offs_n, in_k, offs_d, d_ok,
                     off_b, off_hk, MASKED, TMA, BLOCK_N, HEAD_DIM)
-    _, ds = _score_grads(q, k, do, v, inv_b, delta, m, 0, 0, 0, scale, PRECISION, False, S)
+    _, ds, _, dmod = _score_grads(q, k, do, v, inv_b, delta, m, 0, 0, 0, scale, offs_m[:, None], offs_n[None, :],
+                                  off_b, off_h, C, PRECISION, False, S)
     if S.HAS_WEIGHT:
         ds = ds * _key_weight(w_base, offs_n, in_k, stride_wn, MASKED)[None, :]
     if MASKED:
         visible = in_k[None, :]
         if S.CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        if S.HAS_MASK:
+            visible = visible & S.MASK(offs_m[:, None], offs_n[None, :], off_b, off_h, C)
         ds = tl.where(visible, ds, 0.0)
+    if S.HAS_SCORE:
+        ds = ds * dmod
     return _dot(ds.to(k.dtype), k, dq, PRECISION)
 
 
@@ -697,7 +795,7 @@ def _dq_block(
 def _bwd_dq_inner(
     dq, q, do, m, inv_b, delta, k_base, v_base, w_base,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_wn,
-    offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk,
+    offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk, off_h, C,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
     S: tl.constexpr,
 ):
@@ -706,12 +804,12 @@ def _bwd_dq_inner(
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     for start_n in range(lo, full_end, BLOCK_N):
         dq = _dq_block(dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       stride_wn, start_n, offs_m, offs_d, d_ok, N_K, scale, off_b, off_hk, False, BLOCK_N, HEAD_DIM,
-                       PRECISION, TMA, S)
+                       stride_wn, start_n, offs_m, offs_d, d_ok, N_K, scale, off_b, off_hk, off_h, C, False, BLOCK_N,
+                       HEAD_DIM, PRECISION, TMA, S)
     for start_n in range(full_end, hi, BLOCK_N):
         dq = _dq_block(dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       stride_wn, start_n, offs_m, offs_d, d_ok, N_K, scale, off_b, off_hk, True, BLOCK_N, HEAD_DIM,
-                       PRECISION, TMA, S)
+                       stride_wn, start_n, offs_m, offs_d, d_ok, N_K, scale, off_b, off_hk, off_h, C, True, BLOCK_N,
+                       HEAD_DIM, PRECISION, TMA, S)
     return dq
 
 
@@ -725,16 +823,20 @@ def bwd_dq_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_wb, stride_wn,
-    scale, HQ, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK,
+    scale, HQ, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK, C, G,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
+    KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
-    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
-    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A,
-                           HAS_PRE)
+    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
+                           KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
     bh, off_b, off_h, off_hk, start_m, offs_m = _query_block_program(HQ, GROUP, BLOCK_M, CAUSAL, HEADS_FAST)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     in_q = offs_m < N_Q
@@ -765,10 +867,20 @@ def bwd_dq_kernel(
         m = 0.0
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    full_end, hi = _key_blocks(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _bwd_dq_inner(dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       stride_wn, offs_m, 0, full_end, hi, N_K, scale, off_b, off_hk, BLOCK_N, HEAD_DIM, D, PRECISION,
-                       TMA, S)
+    if HAS_MASK:
+        lo, full_lo, full_hi, hi = KEY_RANGE(offs_m, off_b, off_h, C)
+        start, a, b, end = _segments(lo, full_lo, full_hi, hi, N_K, BLOCK_N)
+        dq = _bwd_dq_inner(dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn,
+                           stride_vd, stride_wn, offs_m, start, start, a, N_K, scale, off_b, off_hk, off_h, C, BLOCK_N,
+                           HEAD_DIM, D, PRECISION, TMA, S)
+        dq = _bwd_dq_inner(dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn,
+                           stride_vd, stride_wn, offs_m, a, b, end, N_K, scale, off_b, off_hk, off_h, C, BLOCK_N,
+                           HEAD_DIM, D, PRECISION, TMA, S)
+    else:
+        full_end, hi = _key_blocks(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+        dq = _bwd_dq_inner(dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn,
+                           stride_vd, stride_wn, offs_m, 0, full_end, hi, N_K, scale, off_b, off_hk, off_h, C,
+                           BLOCK_N, HEAD_DIM, D, PRECISION, TMA, S)
     dq = dq * scale
     _store_rows(_head(DQ, off_b, off_h, stride_dqb, stride_dqh), dq, offs_m, stride_dqm, stride_dqd, offs_d, in_q, d_ok)
 
@@ -856,7 +968,7 @@ def bwd_dq_ds_kernel(
 def _bwd_fused_inner(
     dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, z_base, m_base, delta_base,
     stride_qm, stride_qd, stride_dom, stride_dod,
-    offs_n, lo, n_steps, rot, N_Q, scale,
+    offs_n, lo, n_steps, rot, N_Q, scale, off_b, off_h, C, G,
     MASKED: tl.constexpr, KEY_MASK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     PRECISION: tl.constexpr, S: tl.constexpr,
 ):
@@ -868,8 +980,8 @@ def _bwd_fused_inner(
         start_m = tl.multiple_of(start_m, BLOCK_M)
         dk, dv, ds_c, offs_m, in_q = _dkdv_block(
             dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base, stride_qm, stride_qd, stride_dom,
-            stride_dod, start_m, offs_n, offs_d, d_ok, N_Q, scale, 0, 0, MASKED, KEY_MASK, BLOCK_M, HEAD_DIM,
-            PRECISION, False, S)
+            stride_dod, start_m, offs_n, offs_d, d_ok, N_Q, scale, off_b, off_h, C, G, MASKED, KEY_MASK, BLOCK_M,
+            HEAD_DIM, PRECISION, False, S)
         dq = _dot(tl.trans(ds_c), k, None, PRECISION)  # [BLOCK_M, HEAD_DIM]
         tl.atomic_add(dqa_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], dq, mask=in_q[:, None] & d_ok,
                       sem="relaxed")
@@ -880,37 +992,57 @@ def _bwd_fused_inner(
 def _bwd_fused_heads(
     dk, dv, k, v, w, in_k, Q, DO, DQA, Z, M, DELTA, off_b, off_hk, rot,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-    start_n, HQ, GROUP, N_Q, scale,
+    start_n, HQ, GROUP, N_Q, scale, C, G,
     KEY_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     PRECISION: tl.constexpr, S: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if S.CAUSAL:
+    if S.HAS_MASK:
+        pass  # ranges per query head, below
+    elif S.CAUSAL:
         lo, diag_end = _query_blocks(start_n, N_Q, BLOCK_M, BLOCK_N, True)
         n_diag = tl.maximum(diag_end - lo, 0) // BLOCK_M
         n_rest = tl.maximum(N_Q - diag_end + BLOCK_M - 1, 0) // BLOCK_M
     else:
         n_blocks = (N_Q + BLOCK_M - 1) // BLOCK_M
     for g in range(GROUP):
-        _, _, q_base, do_base, stat_base = _query_head(Q, DO, off_b, off_hk, g, stride_qb, stride_qh, stride_dob,
-                                                       stride_doh, HQ, GROUP, N_Q, False)
+        off_h, _, q_base, do_base, stat_base = _query_head(Q, DO, off_b, off_hk, g, stride_qb, stride_qh, stride_dob,
+                                                           stride_doh, HQ, GROUP, N_Q, False)
         dqa_base = DQA + stat_base * HEAD_DIM
-        if S.CAUSAL:
+        if S.HAS_MASK:  # the spec's mask: masked query blocks [start, a) and [b, end), unmasked [a, b)
+            q_lo, q_full_lo, q_full_hi, q_hi = S.QUERY_RANGE(offs_n, off_b, off_h, C)
+            start, a, b, end = _segments(q_lo, q_full_lo, q_full_hi, q_hi, N_Q, BLOCK_M)
             dk, dv = _bwd_fused_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, Z + stat_base, M + stat_base, DELTA + stat_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, offs_n, lo, n_diag, 0, N_Q, scale,
+                stride_qm, stride_qd, stride_dom, stride_dod, offs_n, start, (a - start) // BLOCK_M, 0, N_Q, scale,
+                off_b, off_h, C, G, True, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
+            )
+            dk, dv = _bwd_fused_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, Z + stat_base, M + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, offs_n, a, (b - a) // BLOCK_M, 0, N_Q, scale,
+                off_b, off_h, C, G, False, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
+            )
+            dk, dv = _bwd_fused_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, Z + stat_base, M + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, offs_n, b, (end - b) // BLOCK_M, 0, N_Q, scale,
+                off_b, off_h, C, G, True, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
+            )
+        elif S.CAUSAL:
+            dk, dv = _bwd_fused_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, Z + stat_base, M + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, offs_n, lo, n_diag, 0, N_Q, scale, off_b, off_h, C, G,
                 True, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
             )
             dk, dv = _bwd_fused_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, Z + stat_base, M + stat_base, DELTA + stat_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, offs_n, diag_end, n_rest, 0, N_Q, scale,
-                False, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
+                stride_qm, stride_qd, stride_dom, stride_dod, offs_n, diag_end, n_rest, 0, N_Q, scale, off_b, off_h,
+                C, G, False, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
             )
         else:
             dk, dv = _bwd_fused_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, Z + stat_base, M + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, offs_n, 0, n_blocks, rot % n_blocks, N_Q, scale,
-                False, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
+                off_b, off_h, C, G, False, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
             )
     return dk, dv
 
@@ -925,16 +1057,20 @@ def bwd_fused_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_wb, stride_wn,
-    scale, HQ, HKV, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK,
+    scale, HQ, HKV, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK, C, G,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
+    KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
-    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
-    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A,
-                           HAS_PRE)
+    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
+                           KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
     _, off_b, off_hk, pid_n, start_n, offs_n = _key_block_program(HKV, BLOCK_N, HEADS_FAST)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     in_k = offs_n < N_K
@@ -947,13 +1083,13 @@ def bwd_fused_kernel(
         dk, dv = _bwd_fused_heads(
             dk, dv, k, v, w, in_k, Q, DO, DQA, Z, M, DELTA, off_b, off_hk, pid_n,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-            start_n, HQ, GROUP, N_Q, scale, False, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, S,
+            start_n, HQ, GROUP, N_Q, scale, C, G, False, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, S,
         )
     else:
         dk, dv = _bwd_fused_heads(
             dk, dv, k, v, w, in_k, Q, DO, DQA, Z, M, DELTA, off_b, off_hk, pid_n,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-            start_n, HQ, GROUP, N_Q, scale, True, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, S,
+            start_n, HQ, GROUP, N_Q, scale, C, G, True, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, S,
         )
     dk = dk * scale
     _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, in_k, stride_dkb, stride_dkh, stride_dkn,
@@ -988,12 +1124,15 @@ def bwd_dw_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
-    scale, HQ, HKV, GROUP, N_Q, N_K,
+    scale, HQ, HKV, GROUP, N_Q, N_K, C,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
+    KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
-    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr,
 ):
     bhk, off_b, off_hk, _, start_n, offs_n = _key_block_program(HKV, BLOCK_N, False)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
@@ -1003,8 +1142,8 @@ def bwd_dw_kernel(
     lo, _ = _query_blocks(start_n, N_Q, BLOCK_M, BLOCK_N, CAUSAL)  # earlier queries see none of these keys
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     for g in range(GROUP):
-        _, _, q_base, do_base, stat_base = _query_head(Q, DO, off_b, off_hk, g, stride_qb, stride_qh, stride_dob,
-                                                       stride_doh, HQ, GROUP, N_Q, False)
+        off_h, _, q_base, do_base, stat_base = _query_head(Q, DO, off_b, off_hk, g, stride_qb, stride_qh, stride_dob,
+                                                           stride_doh, HQ, GROUP, N_Q, False)
         for start_m in range(lo, N_Q, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             in_q = offs_m < N_Q
@@ -1015,7 +1154,11 @@ def bwd_dw_kernel(
             visible = in_k[:, None] & in_q[None, :]
             if CAUSAL:
                 visible = visible & (offs_m[None, :] >= offs_n[:, None])
+            if HAS_MASK:
+                visible = visible & MASK(offs_m[None, :], offs_n[:, None], off_b, off_h, C)
             x_t = _dot(k, tl.trans(q), None, PRECISION) * scale  # [BLOCK_N, BLOCK_M]
+            if HAS_SCORE:
+                x_t = SCORE(x_t, offs_m[None, :], offs_n[:, None], off_b, off_h, C)
             if HAS_PRE:
                 x_t = PRE(x_t)
             if ONLINE_MAX:
@@ -1040,13 +1183,27 @@ _TMA_ROWS: dict[str, dict[str, Any]] = {
 DELTA_BLOCK_M = 16 if _INTERPRET else 64
 
 
+# kernels that add the modifier tensors' gradients into G with atomics: every run starts from zero (the autotuner
+# runs a config many times; the real launch finds the buffers zeroed as well)
+_ACCUMULATES_G = ("dkdv", "fused")
+
+
+def _zero_gradient_buffers(nargs: dict) -> None:
+    for buffer in nargs.get("G") or ():
+        if isinstance(buffer, torch.Tensor):
+            buffer.zero_()
+
+
 def _tma_hook(kind: str) -> Callable | None:
-    """Autotune pre-hook: the descriptors get the tile of the config being run."""
+    """Autotune pre-hook: the descriptors get the tile of the config being run; kernels that accumulate modifier
+    gradients start from zeroed buffers."""
     rows = _TMA_ROWS.get(kind)
     if rows is None:
-        return None
+        return _zero_gradient_buffers if kind in _ACCUMULATES_G else None
 
     def hook(nargs: dict) -> None:
+        if kind in _ACCUMULATES_G:
+            _zero_gradient_buffers(nargs)
         for name, axis in rows.items():
             if TensorDescriptor is not None and isinstance(nargs[name], TensorDescriptor):
                 if isinstance(axis, tuple):
@@ -1066,9 +1223,14 @@ def tile_configs(kind: str, tiles: tuple[Tile, ...]) -> list:
 
 
 def _prune(configs: list, named_args: dict, **kwargs: Any) -> list:
-    """Drop tiles larger than the (power-of-two bucketed) sequence lengths."""
+    """Drop tiles larger than the (power-of-two bucketed) sequence lengths. Where one config or none is left, the
+    smallest tile is kept beside it: a lone config is launched untimed, and at fp32 and head dim 128 the one that
+    fits the lengths may not fit the shared memory (the autotuner skips a config that does not, among several)."""
     q_bucket, k_bucket = named_args["Q_BUCKET"], named_args["K_BUCKET"]
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= q_bucket and c.kwargs["BLOCK_N"] <= k_bucket]
+    if len(kept) <= 1 and len(configs) > 1:
+        smallest = min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))
+        kept = [*kept, smallest] if smallest not in kept else kept
     return kept or configs[-1:]
 
 
@@ -1079,7 +1241,7 @@ def _prune(configs: list, named_args: dict, **kwargs: Any) -> list:
 # the spec's maps are in every key (their repr names the op's module, so an on-disk tuning cache keyed by the key's
 # text keeps them apart as well).
 TUNE_KEY = ["HEAD_DIM", "Q_BUCKET", "K_BUCKET", "WORK", "PRECISION"]
-HOOK_KEY = ["A1", "A2", "B", "PRE"]
+HOOK_KEY = ["A1", "A2", "B", "PRE", "SCORE", "MASK"]
 
 
 def autotuned(kernel: Any, configs: list, key: list[str], prune: Callable = _prune, **options: Any) -> Any:
@@ -1161,19 +1323,26 @@ class AttentionKernels:
     `backward_from_saved` the autograd Functions call (so a test that replaces them sees its replacement used)."""
 
     def __init__(self, name: str, config: AttentionConfig, maps: dict[str, Any], namespace: dict[str, Any], *,
-                 causal: bool, has_weight: bool) -> None:
-        missing, unknown = set(MAPS[:6]) - set(maps), set(maps) - set(MAPS)
+                 causal: bool, has_weight: bool, has_score: bool = False, has_mask: bool = False,
+                 has_score_grads: bool = False) -> None:
+        missing, unknown = set(MAPS[:6]) - set(maps), set(maps) - set(MAPS) - set(HOOKS)
         if missing or unknown:
-            raise ValueError(f"{name}: the maps are {', '.join(MAPS)} (PRE and DPRE optional); missing "
-                             f"{sorted(missing)}, unknown {sorted(unknown)}")
+            raise ValueError(f"{name}: the maps are {', '.join(MAPS)} (PRE and DPRE optional) and the hooks "
+                             f"{', '.join(HOOKS)}; missing {sorted(missing)}, unknown {sorted(unknown)}")
         if (maps.get("PRE") is None) != (maps.get("DPRE") is None):
             raise ValueError(f"{name}: PRE and DPRE come together")
+        needed = [h for h, on in (("SCORE", has_score), ("DSCORE", has_score), ("SCORE_GRADS", has_score),
+                                  ("MASK", has_mask), ("KEY_RANGE", has_mask), ("QUERY_RANGE", has_mask)) if on]
+        if [h for h in needed if maps.get(h) is None] or (causal and has_mask):
+            raise ValueError(f"{name}: a score modifier takes SCORE, DSCORE, SCORE_GRADS and a mask MASK, KEY_RANGE, "
+                             "QUERY_RANGE (modifiers.py); the causal flag and a mask hook exclude each other")
         self.name, self.config, self.ns = name, config, namespace
-        self.causal, self.has_weight = causal, has_weight
+        self.causal, self.has_weight, self.modified = causal, has_weight, has_score or has_mask
         has_pre = maps.get("PRE") is not None
-        self.maps = {**maps, "PRE": maps.get("PRE") or identity, "DPRE": maps.get("DPRE") or identity}
-        self.flags = dict(zip(FLAGS, (causal, has_weight, config.online_max, config.exp2, config.shared_map, has_pre),
-                              strict=True))
+        self.maps = {**{h: identity for h in HOOKS}, **maps, "PRE": maps.get("PRE") or identity,
+                     "DPRE": maps.get("DPRE") or identity}
+        self.flags = dict(zip(FLAGS, (causal, has_weight, config.online_max, config.exp2, config.shared_map, has_pre,
+                                      has_score, has_mask, has_score_grads), strict=True))
         self.spec = {**self.maps, **self.flags}  # the constexprs every map-evaluating kernel takes
         key, c = [*TUNE_KEY, *HOOK_KEY], config
         forward_tiles = c.forward_tiles + tuple(t for t in MEASURED_FORWARD_TILES if t not in c.forward_tiles)
@@ -1221,10 +1390,17 @@ class AttentionKernels:
 
     # -- streamed form ----------------------------------------------------------------------------------------
 
+    def _context(self, context: tuple | None) -> tuple:
+        if self.modified and not context:
+            raise ValueError(f"{self.name}: the spec's score or mask modifiers read the call's context tuple "
+                             "(ncd/families/attention/runtime.py builds it); call the op, not the bare kernels")
+        return context or ()
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None = None,
-                scale: float | None = None) -> tuple:
+                scale: float | None = None, context: tuple | None = None) -> tuple:
         """o = attention(q, k, v); returns (o, stats) with stats = (z, m) for the backward (m: None without the
-        running max)."""
+        running max). context: what the spec's modifier hooks read (modifiers.py), None without."""
+        context = self._context(context)
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         scale = head_dim**-0.5 if scale is None else float(scale)
         online_max = self.config.online_max
@@ -1241,15 +1417,18 @@ class AttentionKernels:
         fast(self.fwd_kernel)[grid](
             srcs[0], srcs[1], srcs[2], w_arg, srcs[3], z, m if m is not None else z,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *w_strides,
-            scale, hq, hq // hkv, n_q, n_k, bucket(n_q), bucket(n_k), bucket(batch * hq),
+            scale, hq, hq // hkv, n_q, n_k, bucket(n_q), bucket(n_k), bucket(batch * hq), context, (),
             HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), NEG_SCALE=scale < 0,
             UNIT_SCALE=scale == 1.0, TMA=tma, **self.spec,
         )
         return o, (z, m)
 
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 stats: tuple, w: torch.Tensor | None = None, scale: float | None = None) -> tuple:
-        """Gradients (dq, dk, dv) of <do, o>; stats as returned by forward."""
+                 stats: tuple, w: torch.Tensor | None = None, scale: float | None = None,
+                 context: tuple | None = None, grads: tuple = ()) -> tuple:
+        """Gradients (dq, dk, dv) of <do, o>; stats as returned by forward. grads: the fp32 buffers (and strides)
+        into which the dK/dV kernels add the modifier tensors' gradients (modifiers.py), zeroed by the caller."""
+        context = self._context(context)
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         scale = head_dim**-0.5 if scale is None else float(scale)
         z, m = stats
@@ -1259,7 +1438,7 @@ class AttentionKernels:
         tile = head_tile(head_dim)
         if do.dtype != q.dtype:
             do = do.to(q.dtype)
-        sizes = (scale, hq, hkv, hq // hkv, n_q, n_k, bucket(n_q), bucket(n_k), bucket(batch * hq))
+        sizes = (scale, hq, hkv, hq // hkv, n_q, n_k, bucket(n_q), bucket(n_k), bucket(batch * hq), context, grads)
 
         delta = self.new((batch, hq, n_q), torch.float32, q.device)
         dk = self.new(k.shape, k.dtype, k.device)
@@ -1302,7 +1481,9 @@ class AttentionKernels:
         # rows of the stored dS padded to 8 elements: TMA needs 16-byte aligned strides
         row = -(-n_q // 8) * 8
         ds = None
-        if batch * hq * n_k * row * q.element_size() <= self.config.ds_buffer_bytes:
+        # (not with a mask hook: the dQ-from-dS kernel reads every tile of its key range, and the dK/dV kernel
+        # writes only those the mask's query ranges reach)
+        if batch * hq * n_k * row * q.element_size() <= self.config.ds_buffer_bytes and not self.flags["HAS_MASK"]:
             with contextlib.suppress(torch.OutOfMemoryError):  # the buffer only saves work: else recompute
                 ds = self.new((batch * hq, n_k, row), q.dtype, q.device)
         if ds is not None:
@@ -1312,7 +1493,7 @@ class AttentionKernels:
             tma = self.tma_ok(ds, k)
             fast(self.bwd_dq_ds_kernel)[grid_dq](
                 ds_descriptor(ds, n_q) if tma else ds, descriptor(k, tma), dq, *k.stride(), *dq.stride(), row,
-                scale, hq, hq // hkv, n_q, n_k, *sizes[6:], HEAD_DIM=tile, D=head_dim, PRECISION=precision,
+                scale, hq, hq // hkv, n_q, n_k, *sizes[6:9], HEAD_DIM=tile, D=head_dim, PRECISION=precision,
                 TMA=tma, CAUSAL=self.causal,
             )
             return dq, dk, dv
@@ -1339,9 +1520,11 @@ class AttentionKernels:
         )
 
     def weight_gradient(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
-                        o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+                        o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None, scale: float | None,
+                        context: tuple | None = None) -> torch.Tensor:
         """dL/dw [B, Nk] float32 for the per-key weight, from the saved statistics of either form (m: None without
         the running max)."""
+        context = self._context(context)
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         scale = head_dim**-0.5 if scale is None else float(scale)
         if do.dtype != q.dtype:
@@ -1353,7 +1536,7 @@ class AttentionKernels:
         bwd_dw_kernel[(triton.cdiv(n_k, block), batch * hkv)](
             q, k, v, do, z, m if m is not None else z, delta, dw,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-            scale, hq, hkv, hq // hkv, n_q, n_k,
+            scale, hq, hkv, hq // hkv, n_q, n_k, context,
             HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), BLOCK_M=block,
             BLOCK_N=block, num_warps=4, **self.spec,
         )
@@ -1361,9 +1544,10 @@ class AttentionKernels:
 
     def backward_from_saved(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             w: torch.Tensor | None, o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None,
-                            scale: float | None) -> tuple:
+                            scale: float | None, context: tuple | None = None, grads: tuple = ()) -> tuple:
         """backward() from the tensors `save_for_backward` keeps (m: None, or empty, without the online max)."""
-        return self.ns["backward"](do, q, k, v, o, (z, m if self.config.online_max else None), w, scale)
+        return self.ns["backward"](do, q, k, v, o, (z, m if self.config.online_max else None), w, scale, context,
+                                   grads)
 
     def saved_backward(self, ctx: Any, do: torch.Tensor, run: Callable | None = None) -> tuple:
         """Gradients of (q, k, v, w, scale): w's where it needs one (`weight_gradient`); the scale gets none here

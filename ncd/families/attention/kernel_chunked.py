@@ -192,8 +192,11 @@ def fact_state_fwd_kernel(
     HEAD_DIM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, STORE_ALL: tl.constexpr, PRECISION: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
+    KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
-    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
 ):
@@ -255,13 +258,17 @@ def fact_fwd_kernel(
     HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr, UNIT_SCALE: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
+    KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
-    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A,
-                           HAS_PRE)
+    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
+                           KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
     bh, bhk, off_b, off_h, off_hk, start_m, offs_m = _fact_query_program(HQ, GROUP, BLOCK_M)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     in_q = offs_m < N_Q
@@ -301,8 +308,8 @@ def fact_fwd_kernel(
         full_end = tl.maximum(lo, tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, N_K // BLOCK_N * BLOCK_N))
         m = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, z, m = _fwd_inner(acc, z, m, q, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               stride_wn, offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk, BLOCK_N, HEAD_DIM, D,
-                               PRECISION, False, UNIT_SCALE, False, S)
+                               stride_wn, offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk, off_h, (), BLOCK_N,
+                               HEAD_DIM, D, PRECISION, False, UNIT_SCALE, False, S)
     o = _finish_rows(acc, z, in_q, B)
     _store_rows(_head(O, off_b, off_h, stride_ob, stride_oh), o, offs_m, stride_om, stride_od, offs_d, in_q, d_ok)
     tl.store(Z + bh.to(tl.int64) * N_Q + offs_m, z, mask=in_q)
@@ -327,13 +334,17 @@ def fact_dq_kernel(
     HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
+    KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
-    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A,
-                           HAS_PRE)
+    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
+                           KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
     bh, bhk, off_b, off_h, off_hk, start_m, offs_m = _fact_query_program(HQ, GROUP, BLOCK_M)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     in_q = offs_m < N_Q
@@ -376,8 +387,8 @@ def fact_dq_kernel(
         hi = tl.minimum(start_m + BLOCK_M, N_K)
         full_end = tl.maximum(lo, tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, N_K // BLOCK_N * BLOCK_N))
         dq = _bwd_dq_inner(dq, q, do, 0.0, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn,
-                           stride_vd, stride_wn, offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk, BLOCK_N,
-                           HEAD_DIM, D, PRECISION, False, S)
+                           stride_vd, stride_wn, offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk, off_h, (),
+                           BLOCK_N, HEAD_DIM, D, PRECISION, False, S)
     dq = dq * scale
     _store_rows(_head(DQ, off_b, off_h, stride_dqb, stride_dqh), dq, offs_m, stride_dqm, stride_dqd, offs_d, in_q, d_ok)
 
@@ -443,8 +454,11 @@ def fact_state_bwd_kernel(
     HEAD_DIM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, STORE_ALL: tl.constexpr, PRECISION: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
+    KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
-    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
 ):
@@ -491,13 +505,17 @@ def fact_dkdv_kernel(
     HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
+    SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
+    KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
-    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr,
+    SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A,
-                           HAS_PRE)
+    S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
+                           KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
     bhk, off_b, off_hk, _, start_n, offs_n = _key_block_program(HKV, BLOCK_N, False)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     in_k = offs_n < N_K
@@ -548,7 +566,7 @@ def fact_dkdv_kernel(
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, Z + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, start_n, lo, diag_end, chunk_end, N_Q, N_K, scale,
-                off_b, off_h, DK, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, False, False, False, S,
+                off_b, off_h, DK, 0, 0, (), (), BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, False, False, False, S,
             )
     dk = dk * scale
     _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, in_k, stride_dkb, stride_dkh, stride_dkn,

@@ -22,6 +22,9 @@ from ncd.cost import (
 from ncd.errors import NotStreamable
 from ncd.families.attention.config import DEFAULT_FORWARD_TILES, AttentionConfig
 from ncd.families.attention.factorize import Factorization, factorize
+from ncd.families.attention.modifiers import NONE as NO_MODIFIERS
+from ncd.families.attention.modifiers import Modifiers
+from ncd.families.attention.modifiers import derive as derive_modifiers
 from ncd.family import Decline
 from ncd.pipeline import FrontEnd
 from ncd.stable_exp import stable_triton_expr
@@ -47,8 +50,9 @@ class AttentionRoles:
     v_axes: tuple[str, str, str, str]
     o_axes: tuple[str, str, str, str]
     weight_axes: tuple[str, str] | None  # (batch, key)
-    causal: bool
+    causal: bool  # the plain causal mask `key <= query`, which the kernels' CAUSAL flag handles
     scale_inputs: tuple[str, ...] = ()  # the scalar inputs the scale reads
+    mask: ir.Node | None = None  # any other mask (or causal with a score modifier): a hook (modifiers.py)
 
 
 def _load_of_input(program: ir.Program, node: ir.Node, what: str) -> ir.Load:
@@ -102,20 +106,18 @@ def roles(program: ir.Program, cert: Certificate) -> AttentionRoles:
     o_axes = (batch, head, query, v_dims[0])
     if set(o_tensor.axes) != set(o_axes):
         raise UnsupportedAttention(out.span, detail=f"the output must be [{' '.join(o_axes)}] in some order")
-    weight, weight_axes, causal = None, None, False
+    weight, weight_axes, causal, mask = None, None, False, None
     if norm is not None and norm.weight is not None:
         w = _load_of_input(program, ir.inline(program, norm.weight), "the per-key weight")
         if set(w.axes) - {batch, axis} or axis not in w.axes:
             raise UnsupportedAttention(w.span, detail=f"the per-key weight must be [{batch} {axis}] or [{axis}]")
         weight, weight_axes = w.tensor, (batch, axis)
     if norm is not None and norm.mask is not None:
-        causal = _is_causal(norm.mask, query, axis)
-        if not causal:
-            raise UnsupportedAttention(norm.mask.span, detail=f"the attention kernels support the causal mask "
-                                       f"`{axis} <= {query}` only")
+        causal = _is_causal(norm.mask, query, axis) and cert.modifier is None
+        mask = None if causal else norm.mask
     scale, scale_inputs = _host_scale(program, cert)
     return AttentionRoles(q.tensor, k.tensor, v.tensor, weight, scale, cert.output,
-                          (batch, head, query, dim), k_axes, v_axes, o_axes, weight_axes, causal, scale_inputs)
+                          (batch, head, query, dim), k_axes, v_axes, o_axes, weight_axes, causal, scale_inputs, mask)
 
 
 def _host_scale(program: ir.Program, cert: Certificate) -> tuple[str | float, tuple[str, ...]]:
@@ -200,12 +202,12 @@ def _same_expression(text: str, other: str) -> bool:
 
 
 def attention_config(maps: KernelMaps, online_max: bool, forward_tiles: tuple[tuple[int, ...], ...] = (),
-                     factorization: Factorization | None = None) -> AttentionConfig:
+                     factorization: Factorization | None = None, score_modifier: bool = False) -> AttentionConfig:
     """The knobs the plan decides: the forward's autotune set (the cost ranking, else the measured default), the
     accumulation (running max; exp2 where a1 = a2 = a1' = a2' = exp and no pre-map takes the score first; a1 = a2
     evaluated once), the factorized form's presence and head-dim limit (its chunk: the platform's, config.py), and
     what NCD_* settings fill (`AttentionConfig.with_settings`)."""
-    exp2 = online_max and not maps.pre and all(_same_expression(e, "tl.exp(x)")
+    exp2 = online_max and not maps.pre and not score_modifier and all(_same_expression(e, "tl.exp(x)")
                                                 for e in (maps.a1, maps.a2, maps.da1, maps.da2))
     shared = _same_expression(maps.a1, maps.a2) and _same_expression(maps.da1, maps.da2)
     config = AttentionConfig(forward_tiles=tuple(forward_tiles) or DEFAULT_FORWARD_TILES, online_max=online_max,
@@ -235,6 +237,7 @@ class AttentionPlan:
     shape: AttentionShape | None = None
     factorized_cost: FormEstimate | None = None
     config: AttentionConfig = DEFAULT_CONFIG
+    modifiers: Modifiers = NO_MODIFIERS
 
     def _padding(self) -> list[str]:
         dim = self.bindings.get(self.roles.q_axes[3])
@@ -250,6 +253,7 @@ class AttentionPlan:
                  f"V = {r.value}[{' '.join(r.v_axes)}]  -> {r.output}[{' '.join(r.o_axes)}]",
                  f"  scale: {self.certificate.scale if isinstance(r.scale, str) else r.scale}   causal: {r.causal}   "
                  f"per-key weight: {r.weight or 'none'}",
+                 *self.modifiers.describe(),
                  f"  triton: a1 = {self.maps.a1};  a2 = {self.maps.a2};  b = {self.maps.b}",
                  f"          a1' = {self.maps.da1};  a2' = {self.maps.da2};  b'/b = {self.maps.db_over_b}",
                  *([f"          pre-map h = {self.maps.pre};  h' = {self.maps.dpre}"] if self.maps.pre else []),
@@ -286,10 +290,13 @@ class AttentionPlan:
         from ncd.families.attention.render_op import render_attention_op
 
         return render_attention_op(program, self.certificate, self.roles, self.maps, op_id,
-                                   self.config.forward_tiles, self.factorization, config=self.config)
+                                   self.config.forward_tiles, self.factorization, config=self.config,
+                                   modifiers=self.modifiers)
 
     def constant_inputs(self) -> frozenset[str]:
-        return frozenset({self.roles.weight} if self.roles.weight else ())
+        """The per-key weight and the modifiers' integer tensors (lengths, segment ids, ...)."""
+        weight = {self.roles.weight} if self.roles.weight else set()
+        return frozenset(weight | {t.name for t in self.modifiers.tensors if not t.float} | set(self.modifiers.scalars))
 
     def validation_sizes(self, program: ir.Program) -> dict[str, int]:
         """Odd sizes: 37 queries, 29 keys; 2 K/V heads with 2 query heads each where heads are grouped."""
@@ -328,7 +335,8 @@ class AttentionPlan:
         out = dict(inputs)
         for _ in range(REDRAWS):
             found: list = []
-            evaluate(program, out, normalisers=found)
+            evaluate(program, {n: v.cpu() for n, v in out.items()}, normalisers=found)  # (the reference's own
+            # positions and defaults are CPU tensors)
             b = found[0]
             rows = [a for a in q_axes if a != q_dim]
             if sorted(b.axes) != sorted(rows):
@@ -361,6 +369,7 @@ def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan |
     cert = certificates[0]
     r = roles(program, cert)
     maps = kernel_maps(cert)
+    modifiers = derive_modifiers(program, cert, r.q_axes, r.k_axes, r.mask)
     sizes = {**DEFAULT_BINDINGS, **bindings}
     bound = {}
     for axis in program.axes:
@@ -375,12 +384,15 @@ def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan |
         causal=r.causal,
     )
     shown = {a: bound[a] for a in dict.fromkeys((*r.q_axes, *r.k_axes))}
-    factorization = factorize(cert, r.causal)
+    # (the factorized form reassociates the contractions, which a modifier or a mask other than causal breaks)
+    factorization = None if modifiers.has_mask else factorize(cert, r.causal)
     factorized_cost = factorized_estimate(shape, factorization.chunk) if factorization is not None else None
     estimates = tuple(rank_configs(shape))
     tiles = tuple((e.config.block_m, e.config.block_n, e.config.num_warps, e.config.num_stages) for e in estimates)
-    config = attention_config(maps, cert.rescale is not None, tiles, factorization)
-    return AttentionPlan(cert, r, maps, shown, estimates, factorization, shape, factorized_cost, config)
+    config = attention_config(maps, cert.rescale is not None, tiles, factorization, modifiers.has_score)
+    if modifiers.has_mask:  # the dQ-from-dS kernel would read tiles the mask's ranges never wrote (kernel.py)
+        config = replace(config, ds_buffer_bytes=0)
+    return AttentionPlan(cert, r, maps, shown, estimates, factorization, shape, factorized_cost, config, modifiers)
 
 
 def _role_name(r: AttentionRoles, axis: str) -> str:

@@ -18,8 +18,11 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ncd.codegen.pytext import comment_lines, fit
 from ncd.families.attention.config import AttentionConfig
 from ncd.families.attention.factorize import Factorization
+from ncd.families.attention.modifiers import NONE as NO_MODIFIERS
+from ncd.families.attention.modifiers import Modifiers
 
 # Names an expression may use besides its free variable.
 _ALLOWED_NAMES = {"tl", "math"}
@@ -122,7 +125,8 @@ def _header(spec: AttentionKernelSpec, all_origins: list[tuple[str, list[str]]])
              f"#   a1(x) = {spec.a1}", f"#   a2(x) = {spec.a2}", f"#   b(z)  = {spec.b}",
              f"#   online max rescaling: {'on' if spec.online_max else 'off'}"]
     if spec.pre:
-        lines.append(f"#   pre-map (stabiliser): a1, a2 take t = h(s_ij), h(x) = {spec.pre}; the running max is of t")
+        lines += comment_lines("#   ", f"pre-map (stabiliser): a1, a2 take t = h(s_ij), h(x) = {spec.pre}; the running "
+                               "max is of t")
     if all_origins:
         lines += ["#", "# Origins:", *(f"#   {label}: {', '.join(locs)}" for label, locs in all_origins)]
     return lines
@@ -157,7 +161,7 @@ def spec_config(spec: AttentionKernelSpec, factorization: Factorization | None =
 
 
 def render_attention_module(spec: AttentionKernelSpec, factorization: Factorization | None = None,
-                            config: AttentionConfig | None = None) -> str:
+                            config: AttentionConfig | None = None, modifiers: Modifiers | None = None) -> str:
     """Render the generated Python module (source text) for ``spec``: its device functions, its config and the
     calls into kernel.py; with ``factorization`` (a1, a2 polynomials of degree <= 1, <= 2) the
     kernels also hold the factorized form (kernel_chunked.py): ``forward_factorized`` /
@@ -167,6 +171,9 @@ def render_attention_module(spec: AttentionKernelSpec, factorization: Factorizat
     origin, origin_comment = _origins(spec)
     if config is None:
         config = spec_config(spec, factorization)
+    modifiers = modifiers or NO_MODIFIERS
+    if modifiers.has_mask and (spec.causal or factorization is not None):
+        raise AttentionSpecError("a mask hook replaces the causal flag, and rules out the factorized form")
     functions = [("a1", "x", spec.a1, "a1: numerator map"), ("a2", "x", spec.a2, "a2: normaliser map"),
                  ("da1", "x", spec.da1, "a1'"), ("da2", "x", spec.da2, "a2'"),
                  ("b", "z", spec.b, "b: applied to the row normaliser z"),
@@ -188,16 +195,25 @@ def render_attention_module(spec: AttentionKernelSpec, factorization: Factorizat
         ret = f"    return {body}"
         if len(ret + origin_comment(label)) <= 120:
             ret, doc = ret + origin_comment(label), doc
-        else:  # the origin on the comment line above
+        else:  # the origin on the comment line above; a long map broken inside parentheses
             doc = doc + origin_comment(label).replace("  #", ";", 1)
+            ret = fit("return ", body)
         lines += ["", "", "@triton.jit", f"def _{label}({var}):", f"    # {doc}", ret]
     hooks = [f'    "{label.upper()}": _{label},' for label, *_ in functions]
+    if modifiers.has_score:
+        hooks += ['    "SCORE": _score,', '    "DSCORE": _dscore,', '    "SCORE_GRADS": _score_grads,']
+    if modifiers.has_mask:
+        hooks += ['    "MASK": _mask,', '    "KEY_RANGE": _key_range,', '    "QUERY_RANGE": _query_range,']
+        lines += ["", "", "# Score and mask modifiers (ncd/families/attention/modifiers.py): C is the call's context",
+                  "# tuple, G the modifier tensors' fp32 gradient buffers; i, j the query and key positions, b, h the",
+                  "# batch and query head.", *modifiers.source.lstrip("\n").split("\n")]
     kernels = "_chunked.FactorizedAttentionKernels" if factorization else "_kernels.AttentionKernels"
     coefficients = [] if factorization is None else [
         f"    coefficients={_coefficients(factorization)},{origin_comment('factorized')}"]
     lines += ["", "", "MAPS = {", *hooks, "}", f"KERNELS = {kernels}(",
               "    NAME, CONFIG, MAPS, globals(),", f"    causal={spec.causal},{origin_comment('causal')}",
-              f"    has_weight={spec.has_weight},{origin_comment('weight')}", *coefficients, ")", PUBLIC_API]
+              f"    has_weight={spec.has_weight},{origin_comment('weight')}", *coefficients,
+              *_modifier_flags(modifiers), ")", PUBLIC_API]
     if factorization is not None:
         need_vec = bool(factorization.c0 or factorization.e1)
         lines += ["", "", f"FACT_CAUSAL = {spec.causal}", f"FACT_NEED_VEC = {need_vec}",
@@ -205,6 +221,13 @@ def render_attention_module(spec: AttentionKernelSpec, factorization: Factorizat
     text = "\n".join(lines) + "\n"
     ast.parse(text)  # the renderer must always produce valid Python
     return text
+
+
+def _modifier_flags(modifiers: Modifiers) -> list[str]:
+    if not modifiers.has_mask:
+        return []
+    return [f"    has_score={modifiers.has_score}, has_mask={modifiers.has_mask}, "
+            f"has_score_grads={bool(modifiers.grad_tensors)},"]
 
 
 # Fixed text of every generated attention module (no spec text reaches it).

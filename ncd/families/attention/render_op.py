@@ -10,6 +10,8 @@ from ncd import ir
 from ncd.codegen.shared import default_code, environment
 from ncd.families.attention.config import AttentionConfig
 from ncd.families.attention.factorize import Factorization
+from ncd.families.attention.modifiers import NONE as NO_MODIFIERS
+from ncd.families.attention.modifiers import Modifiers
 from ncd.families.attention.plan import AttentionRoles, KernelMaps
 from ncd.families.attention.render import AttentionKernelSpec, render_attention_module
 from ncd.source import origin_name
@@ -51,13 +53,21 @@ def _scale_grad_inputs(roles: AttentionRoles) -> list[str]:
 
 def render_attention_op(program: ir.Program, cert: Certificate, roles: AttentionRoles, maps: KernelMaps,
                         op_id: str, forward_configs: tuple[tuple[int, ...], ...] = (),
-                        factorization: Factorization | None = None, config: AttentionConfig | None = None) -> str:
+                        factorization: Factorization | None = None, config: AttentionConfig | None = None,
+                        modifiers: Modifiers | None = None) -> str:
     spec = kernel_spec(op_id, cert, roles, maps, program, forward_configs, factorization is not None)
-    kernels = render_attention_module(spec, factorization, config)
+    kernels = render_attention_module(spec, factorization, config, modifiers)
+    modifiers = modifiers or NO_MODIFIERS
     inputs = program.inputs
     params: list[str] = []
     tensor_inputs, scalar_inputs = [], []
-    for t in inputs:  # backend._check_signature put the inputs with defaults last
+    modifier_tensors = [{"name": t.name, "dims": len(t.roles), "grad": t.float and t.in_score}
+                        for t in modifiers.tensors]
+    # positional: the inputs, then the parameters (backend._check_signature put the inputs with defaults last; they
+    # stay last, after the parameters)
+    ordered = [*(t for t in inputs if t.default is None), *program.params,
+               *(t for t in inputs if t.default is not None)]
+    for t in ordered:
         if t.axes:
             tensor_inputs.append({"name": t.name, "axes": repr(t.axes), "origin": t.span.origin})
         if t.default is not None:
@@ -87,6 +97,8 @@ def render_attention_op(program: ir.Program, cert: Certificate, roles: Attention
         scalar_inputs=scalar_inputs, scalar_names=[t.name for t in inputs if not t.axes], roles=roles,
         scale_grad_inputs=_scale_grad_inputs(roles), perms=perms, weight_layout=weight_layout, scale_expr=scale_expr,
         output=roles.output, output_axes=o_axes, factorization=factorization, norm_origin=cert.span.origin,
+        modifier_tensors=modifier_tensors, modifier_scalars=list(modifiers.scalars),
+        modifier_sizes=list(modifiers.sizes), modifier_layout=list(modifiers.layout),
         origins={"output": program.tensor(roles.output).span.origin, "weight": dict(spec.origin).get("weight", "")},
     )
     text = kernels + wrapper

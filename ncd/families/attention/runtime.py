@@ -29,14 +29,25 @@ class AttentionOp:
                  axes: Mapping[str, tuple[int | None, tuple[str, ...]]], inputs: Sequence[tuple[str, tuple]],
                  query: str, key: str, value: str, perms: Mapping[str, tuple[int, ...]], weight: str | None = None,
                  weight_layout: tuple[int, ...] | str | None = None, scale_grad: str | None = None,
-                 factorized: bool = False) -> None:
+                 factorized: bool = False,
+                 modifiers: tuple[Sequence[tuple[str, int, bool]], Sequence[str], Sequence[str],
+                                  Sequence[tuple[str, str]]] = ((), (), (), ())) -> None:
         self.spec_name, self.ns, self.axes = spec_name, namespace, axes
+        # the score and mask hooks' inputs (modifiers.py): tensors (name, dimensions, takes a gradient), scalar
+        # inputs, and the axes whose sizes they read; after (q, k, v, w, scale) in that order
+        tensors, scalars, sizes, layout = modifiers
+        self.mod_layout = tuple((kind, name) for kind, name in layout)
+        self.mod_tensors = tuple((name, int(dims), bool(grad)) for name, dims, grad in tensors)
+        self.mod_scalars, self.mod_sizes = tuple(scalars), tuple(sizes)
+        args = [*_ARGS, *(Arg(f"m_{name}", grad=grad) for name, _, grad in self.mod_tensors),
+                *(Arg(f"m_{name}", "float") for name in self.mod_scalars),
+                *(Arg(f"size_{name}", "int") for name in self.mod_sizes)]
         self.inputs = tuple((name, tuple(a)) for name, a in inputs)
         self.query, self.key, self.value = query, key, value
         self.perms = {role: tuple(p) for role, p in perms.items()}
         self.weight, self.weight_layout, self.scale_grad = weight, weight_layout, scale_grad
         self._checked = rt.CheckMemo()  # call signature -> axis sizes, checks passed
-        self.streamed = KernelOp(f"ncd::{op_id}", spec_name, _ARGS, ["o", "z", "m"], save_results=(0, 1, 2),
+        self.streamed = KernelOp(f"ncd::{op_id}", spec_name, args, ["o", "z", "m"], save_results=(0, 1, 2),
                                  forward=self._forward, fake=self._fake, backward=self._backward,
                                  backward_fake=self._backward_fake)
         self.factorized = None
@@ -48,11 +59,36 @@ class AttentionOp:
 
     # --- launchers in the runtime's conventions ----------------------------------------------------------------
 
-    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Any, scale: float) -> tuple:
-        o, (z, m) = self.ns["forward"](q, k, v, w, scale)
+    def _context(self, q: torch.Tensor, k: torch.Tensor, tensors: Sequence[torch.Tensor], constants: Sequence[Any]
+                 ) -> tuple | None:
+        """The hooks' context tuple C: (N_Q, N_K, GROUP, each tensor's pointer and strides, the scalars, the
+        sizes), in modifiers.py's order; None without modifiers."""
+        if not self.ns["KERNELS"].modified:
+            return None
+        values = dict(zip((*(n for n, _, _ in self.mod_tensors), *self.mod_scalars, *self.mod_sizes),
+                          (*tensors, *constants), strict=True))
+        context: list[Any] = [q.shape[2], k.shape[2], q.shape[1] // k.shape[1]]
+        for kind, name in self.mod_layout:
+            value = values[name]
+            context += [value, *value.stride()] if kind == "tensor" else [value]
+        return tuple(context)
+
+    def _grad_buffers(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], tuple]:
+        """Zeroed fp32 buffers for the modifier tensors that take a gradient, and G (pointers and strides)."""
+        buffers = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                   for t, (_, _, grad) in zip(tensors, self.mod_tensors, strict=True) if grad]
+        return buffers, tuple(x for b in buffers for x in (b, *b.stride()))
+
+    def _split(self, rest: Sequence[Any]) -> tuple[Sequence[torch.Tensor], Sequence[Any]]:
+        n = len(self.mod_tensors)
+        return rest[:n], rest[n:]
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Any, scale: float, *rest: Any) -> tuple:
+        tensors, constants = self._split(rest)
+        o, (z, m) = self.ns["forward"](q, k, v, w, scale, self._context(q, k, tensors, constants))
         return o, z, m
 
-    def _fake(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Any, scale: float) -> tuple:
+    def _fake(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Any, scale: float, *rest: Any) -> tuple:
         rows = (q.shape[0], q.shape[1], q.shape[2])
         z = q.new_empty(rows, dtype=torch.float32)
         m = q.new_empty(rows if self.ns["ONLINE_MAX"] else (0,), dtype=torch.float32)
@@ -72,18 +108,28 @@ class AttentionOp:
                           dtype=torch.float32)
         return q.new_empty((batch, hq, n_q, v.shape[3])), q.new_empty((batch, hq, n_q), dtype=torch.float32), h, vec
 
-    def _weight_gradient(self, do: torch.Tensor, saved: tuple, scale: float, needs: tuple) -> torch.Tensor | None:
+    def _weight_gradient(self, do: torch.Tensor, saved: tuple, scale: float, needs: tuple,
+                         context: tuple | None = None) -> torch.Tensor | None:
         """The weight's gradient where it needs one, from the same saved z (and m with the running max)."""
         if not needs[3]:
             return None
         q, k, v, w, o, z, *rest = saved
-        return self.ns["weight_gradient"](do, q, k, v, w, o, z, rest[0] if self.ns["ONLINE_MAX"] else None, scale)
+        return self.ns["weight_gradient"](do, q, k, v, w, o, z, rest[0] if self.ns["ONLINE_MAX"] else None, scale,
+                                          context)
 
     def _backward(self, grads: tuple, saved: tuple, constants: tuple, needs: tuple, stash: Any) -> tuple:
         (do,) = grads
-        (scale,) = constants
-        dq, dk, dv = self.ns["backward_from_saved"](do, *saved, scale)
-        return dq, dk, dv, self._weight_gradient(do, saved, scale, needs)
+        scale, *mod_constants = constants
+        n = len(self.mod_tensors)
+        mod_tensors, saved = saved[4:4 + n], (*saved[:4], *saved[4 + n:])
+        context = self._context(saved[0], saved[1], mod_tensors, mod_constants)
+        buffers, grad_args = self._grad_buffers(mod_tensors)
+        dq, dk, dv = self.ns["backward_from_saved"](do, *saved, scale, context, grad_args)
+        mod_grads = iter(buffers)
+        raw = [next(mod_grads).to(t.dtype) if grad else None
+               for t, (_, _, grad) in zip(mod_tensors, self.mod_tensors, strict=True)]
+        return (dq, dk, dv, self._weight_gradient(do, saved, scale, needs, context),
+                *[g for g, (_, _, grad) in zip(raw, self.mod_tensors, strict=True) if grad])
 
     def _backward_factorized(self, grads: tuple, saved: tuple, constants: tuple, needs: tuple, stash: Any) -> tuple:
         (do,) = grads
@@ -91,11 +137,12 @@ class AttentionOp:
         dq, dk, dv = self.ns["factorized_backward_from_saved"](do, *saved, scale)
         return dq, dk, dv, self._weight_gradient(do, saved, scale, needs)
 
-    @staticmethod
-    def _backward_fake(grads: tuple, saved: tuple, constants: tuple, needs: tuple) -> list:
+    def _backward_fake(self, grads: tuple, saved: tuple, constants: tuple, needs: tuple) -> list:
         q, k, v, w = saved[:4]
         dw = torch.empty_like(w) if needs[3] and w is not None else q.new_empty(0)
-        return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dw]
+        mods = saved[4:4 + len(self.mod_tensors)]
+        return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dw,
+                *[torch.empty_like(t) for t, (_, _, grad) in zip(mods, self.mod_tensors, strict=True) if grad]]
 
     # --- calls --------------------------------------------------------------------------------------------------
 
@@ -110,6 +157,13 @@ class AttentionOp:
         sizes = rt.bind_axes(self.axes, named)
         by_name = {name: t for name, t, _ in named}
         rt.check_floats([(role, by_name[role]) for role in (self.query, self.key, self.value)])
+        for name, _, grad in self.mod_tensors:
+            t = by_name[name]
+            if grad and not t.is_floating_point():
+                raise rt.CallError(None, detail=f"{name} has dtype {t.dtype}; the spec declares a float tensor")
+            if not grad and (t.is_floating_point() or t.is_complex()):
+                raise rt.CallError(None, detail=f"{name} has dtype {t.dtype}; the spec declares an integer tensor "
+                                   "(pass torch.int32 or torch.int64 values)")
         rt.check_device([(name, t) for name, t, _ in named])
         self._checked.put(signature, sizes)
         return sizes
@@ -126,7 +180,7 @@ class AttentionOp:
         return w.to(torch.float32)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, scale: Any,
-                 sizes: Mapping[str, int]) -> torch.Tensor:
+                 sizes: Mapping[str, int], *mods: Any) -> torch.Tensor:
         if self.weight is not None and w is not None and torch.compiler.is_compiling():
             # the weight's gradient kernel runs in eager backwards only
             rt.check_constant(self.weight, w, "the per-key weight under torch.compile")
@@ -147,4 +201,6 @@ class AttentionOp:
         if self.factorized is not None and self.ns["_use_factorized"](kq.shape[2], kk.shape[2],
                                                                       self.ns["head_tile"](kq.shape[3])):
             op = self.factorized  # the kernels' work is at the head tile
+        if self.mod_tensors or self.mod_scalars or self.mod_sizes:
+            return op(kq, kk, kv, kw, kernel_scale, *mods, *(sizes[a] for a in self.mod_sizes))[0].permute(inverse)
         return op(kq, kk, kv, kw, kernel_scale)[0].permute(inverse)

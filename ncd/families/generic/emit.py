@@ -22,9 +22,10 @@ from ...symbolic import TorchPrinter, to_sympy, torch_expr
 # The reference's element-wise tables (ncd.reference._UNARY / _BINARY), as the torch calls that compute them.
 UNARY = {"neg": "torch.neg", "abs": "torch.abs", "sign": "torch.sign", "exp": "torch.exp", "log": "torch.log",
          "sqrt": "torch.sqrt", "tanh": "torch.tanh", "sigmoid": "torch.sigmoid", "sin": "torch.sin",
-         "cos": "torch.cos", "acos": "torch.acos"}
+         "cos": "torch.cos", "acos": "torch.acos", "not": "torch.logical_not"}
 INFIX = {"+": "+", "-": "-", "*": "*", "/": "/", "<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
-CALLS = {"max": "torch.maximum", "min": "torch.minimum"}  # both operands must be tensors
+# both operands must be tensors; and/or take conditions (bool tensors: a comparison always gives a tensor)
+CALLS = {"max": "torch.maximum", "min": "torch.minimum", "and": "torch.logical_and", "or": "torch.logical_or"}
 EINSUM_LETTERS = string.ascii_letters
 
 

@@ -115,6 +115,24 @@ def _same_device(tensors):
             raise _rt.CallError(None, detail=f"{name} is on {tensor.device}, {first_name} on {first.device}")
 '''
 
+# Emitted where the spec declares integer inputs. Validation draws every input as floats, so any real dtype passes.
+_INTEGERS = '''
+
+def _integer_inputs(tensors):
+    for name, tensor, declared in tensors:
+        if tensor.is_complex():
+            raise _rt.CallError(None, detail=f"{name} has dtype {tensor.dtype}; it is declared {declared}: pass an "
+                                "integer (or bool) tensor")
+'''
+INTEGER_DTYPES = ("i32", "i64", "bool")
+AMBIGUOUS_NAMES = {"l", "O", "I"}  # ruff E741
+
+
+def integer_inputs(program: ir.Program) -> list[str]:
+    """Tensor inputs declared i32/i64/bool (mask data: lengths, document ids): they keep their integer dtype at the
+    call, are upcast in the body like the others, and do not decide the outputs' dtype."""
+    return [t.name for t in program.inputs if t.axes and t.dtype in INTEGER_DTYPES]
+
 
 _SOLVE = '''
 
@@ -172,8 +190,11 @@ def _function(plan: GenericPlan, program: ir.Program) -> list[str]:
         t = decl[name]
         lines += _entry(f"({name!r}, {name}, {tuple(t.axes)!r}),", t.span.origin, "        ")
     lines.append("    ])")
-    inputs = [n for n in tensors if decl[n].role == "in"]
+    integers = integer_inputs(program)
+    inputs = [n for n in tensors if decl[n].role == "in" and n not in integers]
     params = [n for n in tensors if decl[n].role == "param"]
+    if integers:
+        lines += _listed("_integer_inputs([", [f"({n!r}, {n}, {decl[n].dtype!r})" for n in integers], "])", "    ")
     if inputs:
         lines += _listed("_dtype = _rt.check_floats([", [f"({n!r}, {n})" for n in inputs], "])", "    ")
     else:
@@ -226,11 +247,16 @@ def render_module(plan: GenericPlan, program: ir.Program, op_id: str) -> str:
            "COMPILE (default from NCD_GENERIC_COMPILE) decides where torch.compile runs it: 'cuda' (CUDA tensors only; "
            "Inductor lowers it to Triton), 'always', or 'never'. COMPILE_BACKEND is the backend ('aot_eager' traces "
            "it without a C++ toolchain).")
-    header = [*_docstring(doc, ""), "",
+    ambiguous = sorted({t.name for t in program.tensors} & AMBIGUOUS_NAMES)
+    # spec tensors are locals and arguments under their own names; `O` (an attention output) is ruff's E741
+    noqa = [f"# spec names kept as written: {', '.join(ambiguous)}", "# ruff: noqa: E741", ""] if ambiguous \
+        else []
+    header = [*_docstring(doc, ""), "", *noqa,
               "import torch", "", "import ncd.runtime as _rt", "from ncd.settings import settings as _settings", "",
               f"OP_ID = {op_id!r}", *_axes_table(program),
               "COMPILE = _settings().generic_compile", 'COMPILE_BACKEND = "inductor"', "_COMPILED = {}", "", ""]
     solve = _SOLVE.split("\n") if plan.solves else []
-    parts = [*header, *_body(plan, program), "", *_RUN.split("\n"), *solve, "", *_function(plan, program), "", "",
-             *_module_class(plan, program)]
+    integers = _INTEGERS.split("\n")[:-1] if integer_inputs(program) else []
+    parts = [*header, *_body(plan, program), "", *_RUN.split("\n"), *integers, *solve, "", *_function(plan, program),
+             "", "", *_module_class(plan, program)]
     return "\n".join(parts).rstrip("\n") + "\n"

@@ -1,0 +1,439 @@
+"""Score and mask modifiers of an attention spec as `@triton.jit` hooks of the static kernels (kernel.py).
+
+A score that reads positions, tensors or call-time values besides the contraction (ALiBi `slope * (key - query)`,
+a bias `bias[head query key]`, a learned temperature `tau[head]`) is the certificate's modifier s' = M(x) of the
+scaled score x; a mask other than the plain causal one is any boolean expression of positions, scalar inputs and
+tensors. Both become device functions of the generated module, evaluated tile by tile on broadcastable index tiles
+i (queries) and j (keys), so the same hook serves the forward's [queries, keys] tiles and the backward's transposed
+[keys, queries] tiles:
+
+    SCORE(s, i, j, b, h, C) -> s'            DSCORE(s, i, j, b, h, C) -> ds'/ds
+    SCORE_GRADS(ds', s, i, j, b, h, C, G)    adds ds' dM/dT into the fp32 gradient buffer of each float tensor T
+    MASK(i, j, b, h, C) -> visible           KEY_RANGE(rows, b, h, C), QUERY_RANGE(cols, b, h, C)
+
+C is the call's context tuple: (N_Q, N_K, GROUP, then per tensor its pointer and one stride per dimension, then the
+scalar inputs and axis sizes the hooks read); G holds the gradient buffers (pointer and strides each). The ranges
+come from the mask's exact visible interval (mask_ranges.py): (lo, full_lo, full_hi, hi) such that the block of rows
+sees no key outside [lo, hi) and every key in [full_lo, full_hi), so the kernels skip blocks outside and run the
+inside without the mask. Without an interval the range is everything, every block masked."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import sympy
+
+from ncd import ir
+from ncd.codegen.pytext import drop_double_parens, fit
+from ncd.errors import NotStreamable
+from ncd.families.attention.mask_ranges import Interval, describe, visible_interval
+from ncd.streaming import FLOAT_DTYPES, Certificate, X, modifier_leaves, modifier_symbol
+from ncd.symbolic import TritonPrinter
+
+# what a hook's index variables stand for: the tensor dimension roles
+BATCH, HEAD, KV_HEAD, GROUP_INDEX, QUERY, KEY = "b", "h", "hk", "g", "i", "j"
+_ROLE_TEXT = {BATCH: "b", HEAD: "h", KV_HEAD: "(h // C[2])", GROUP_INDEX: "(h % C[2])", QUERY: "i", KEY: "j"}
+
+
+class UnsupportedModifier(NotStreamable):
+    code = "unsupported"
+
+
+@dataclass(frozen=True)
+class ModTensor:
+    name: str
+    roles: tuple[str, ...]  # per declared dimension
+    float: bool  # takes a gradient (a float tensor read by the score)
+    in_score: bool
+
+
+@dataclass(frozen=True)
+class Modifiers:
+    """The hooks' source and what the host passes them."""
+
+    has_score: bool
+    has_mask: bool
+    tensors: tuple[ModTensor, ...]
+    scalars: tuple[str, ...]  # scalar inputs the hooks read, in context order
+    sizes: tuple[str, ...]  # axes whose call-time size the hooks read (besides query and key)
+    layout: tuple[tuple[str, str], ...]  # the context after (N_Q, N_K, GROUP): ("tensor" | "scalar" | "size", name)
+    source: str  # the device functions
+    description: tuple[str, ...]
+
+    @property
+    def grad_tensors(self) -> tuple[ModTensor, ...]:
+        return tuple(t for t in self.tensors if t.float and t.in_score)
+
+    def describe(self) -> list[str]:
+        return list(self.description)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The op's extra arguments, in order: the tensors, then the scalars."""
+        return tuple(t.name for t in self.tensors) + self.scalars
+
+
+NONE = Modifiers(False, False, (), (), (), (), "", ())
+
+
+class _Printer(TritonPrinter):
+    """Triton text of a hook expression: symbols by a name table; integers as ints where `ints` (masks, ranges)."""
+
+    def __init__(self, names: dict[str, str], ints: bool = False) -> None:
+        super().__init__()
+        self.names, self.ints = names, ints
+
+    def _print_Symbol(self, expr: sympy.Symbol) -> str:
+        if expr.name not in self.names:
+            raise ValueError(f"the hook cannot read {expr.name}")
+        return self.names[expr.name]
+
+    def _print_Integer(self, expr: sympy.Integer) -> str:
+        return str(int(expr)) if self.ints else super()._print_Integer(expr)
+
+    def _print_And(self, expr: sympy.Basic) -> str:
+        return " & ".join(f"({self._print(a)})" for a in expr.args)
+
+    def _print_Or(self, expr: sympy.Basic) -> str:
+        return " | ".join(f"({self._print(a)})" for a in expr.args)
+
+    def _print_Not(self, expr: sympy.Basic) -> str:
+        return f"(({self._print(expr.args[0])}) == 0)"
+
+    def _print_Relational(self, expr: sympy.Basic) -> str:
+        op = {"==": "==", "!=": "!=", "<": "<", "<=": "<=", ">": ">", ">=": ">="}[expr.rel_op]
+        return f"({self._print(expr.lhs)}) {op} ({self._print(expr.rhs)})"
+
+    _print_Equality = _print_Unequality = _print_StrictLessThan = _print_LessThan = _print_Relational
+    _print_StrictGreaterThan = _print_GreaterThan = _print_Relational
+
+    def _print_BooleanTrue(self, expr: sympy.Basic) -> str:
+        return "True"
+
+    def _print_BooleanFalse(self, expr: sympy.Basic) -> str:
+        return "False"
+
+    def _print_Max(self, expr: sympy.Basic) -> str:
+        out = self._print(expr.args[0])
+        for a in expr.args[1:]:
+            out = f"tl.maximum({out}, {self._print(a)})"
+        return out
+
+    def _print_Min(self, expr: sympy.Basic) -> str:
+        out = self._print(expr.args[0])
+        for a in expr.args[1:]:
+            out = f"tl.minimum({out}, {self._print(a)})"
+        return out
+
+    def _print_floor(self, expr: sympy.Basic) -> str:
+        return f"tl.floor({self._print(expr.args[0])})"
+
+    def _print_ceiling(self, expr: sympy.Basic) -> str:
+        return f"tl.ceil({self._print(expr.args[0])})"
+
+
+class _Context:
+    """The context tuple's layout and each symbol's text, for one spec."""
+
+    def __init__(self, program: ir.Program, q_axes: tuple[str, ...], k_axes: tuple[str, ...]) -> None:
+        self.program = program
+        batch, head, query, _ = q_axes
+        kv_head = k_axes[1]
+        factors = program.axis(head).factors
+        self.roles = {batch: BATCH, head: HEAD, query: QUERY, k_axes[2]: KEY}
+        if kv_head != head:
+            self.roles[kv_head] = KV_HEAD
+            if len(factors) == 2:
+                self.roles[factors[1]] = GROUP_INDEX
+        self.query, self.key = query, k_axes[2]
+        self.slots = 3  # N_Q, N_K, GROUP
+        self.tensors: dict[str, tuple[ModTensor, int]] = {}
+        self.scalars: dict[str, int] = {}
+        self.sizes: dict[str, int] = {}
+        self.layout: list[tuple[str, str]] = []
+
+    def position(self, axis: str, span) -> str:
+        role = self.roles.get(axis)
+        if role is None or role in (KV_HEAD, GROUP_INDEX):
+            raise UnsupportedModifier(span, detail=f"the attention kernels read the positions of the batch, head, "
+                                      f"query and key axes; '{axis}' is none of them")
+        return _ROLE_TEXT[role]
+
+    def tensor(self, load: ir.Load, in_score: bool) -> tuple[ModTensor, int]:
+        tensor = self.program.tensor(load.tensor)
+        if tensor.role == "out" or tensor.role == "let":
+            raise UnsupportedModifier(load.span, detail=f"a score or mask modifier reads input tensors; "
+                                      f"'{load.tensor}' is computed", hint="make it an `in` or `param` tensor")
+        roles = []
+        for index in load.index:
+            role = self.roles.get(index.axis or "")
+            if role is None:
+                raise UnsupportedModifier(load.span, detail=f"'{load.tensor}' is read over '{index.axis}'; a modifier "
+                                          "tensor is indexed by the batch, head, query and key axes only")
+            roles.append(role)
+        known = self.tensors.get(load.tensor)
+        if known is not None:
+            mod, slot = known
+            if mod.roles != tuple(roles):
+                raise UnsupportedModifier(load.span, detail=f"'{load.tensor}' is read over two different axis lists")
+            if in_score and not mod.in_score:
+                self.tensors[load.tensor] = (ModTensor(mod.name, mod.roles, mod.float, True), slot)
+            return self.tensors[load.tensor]
+        mod = ModTensor(load.tensor, tuple(roles), tensor.dtype in FLOAT_DTYPES, in_score)
+        self.tensors[load.tensor] = (mod, self.slots)
+        self.layout.append(("tensor", load.tensor))
+        self.slots += 1 + len(roles)
+        return mod, self.slots - 1 - len(roles)
+
+    def scalar(self, name: str) -> str:
+        if name not in self.scalars:
+            self.scalars[name] = self.slots
+            self.slots += 1
+            self.layout.append(("scalar", name))
+        return f"C[{self.scalars[name]}]"
+
+    def size(self, axis: str) -> str:
+        if axis == self.query:
+            return "C[0]"
+        if axis == self.key:
+            return "C[1]"
+        if axis not in self.sizes:
+            self.sizes[axis] = self.slots
+            self.slots += 1
+            self.layout.append(("size", axis))
+        return f"C[{self.sizes[axis]}]"
+
+    @staticmethod
+    def offset(mod: ModTensor, slot: int) -> str:
+        """The element offset of a tensor's value at (b, h, i, j), int64 (a bias over four axes passes 2^31)."""
+        terms = [f"{_ROLE_TEXT[r]} * C[{slot + 1 + d}]" for d, r in enumerate(mod.roles)]
+        first = terms[0].split(" * ")
+        terms[0] = f"{first[0]}.to(tl.int64) * {first[1]}" if mod.roles[0] not in (KV_HEAD, GROUP_INDEX) else \
+            f"({first[0]}).to(tl.int64) * {first[1]}"
+        return " + ".join(terms)
+
+    def names(self, expr: sympy.Basic, loads: dict[str, str], floats: bool = False) -> dict[str, str]:
+        """Each symbol of expr as text: X as `s`, positions by role, tensor values by their loaded local, scalar
+        inputs and axis sizes from the context (`floats`: sizes as fp32, for tl.log and friends)."""
+        sizes = {a.size.name: a.name for a in self.program.axes if isinstance(a.size, sympy.Symbol)}
+        scalars = {t.name for t in self.program.inputs if not t.axes}
+        out = {}
+        for symbol in expr.free_symbols:
+            name = symbol.name
+            if symbol == X:
+                out[name] = "s"
+            elif name.startswith("pos_"):
+                out[name] = self.position(name[4:], None)
+            elif name in loads:
+                out[name] = loads[name]
+            elif name in sizes:
+                out[name] = f"({self.size(sizes[name])} * 1.0)" if floats else self.size(sizes[name])
+            elif name in scalars:
+                out[name] = self.scalar(name)
+        return out
+
+
+def _loads(ctx: _Context, leaves: tuple[tuple[str, ir.Node], ...], in_score: bool,
+           vector: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """Lines loading each tensor leaf into a local, and the symbol -> local table. `vector`: a range hook's 1-D
+    index ("i" or "j"): only tensors over that position (and batch, head) are loaded, as vectors."""
+    lines, table = [], {}
+    for k, (name, node) in enumerate(leaves):
+        if not isinstance(node, ir.Load):
+            continue
+        mod, slot = ctx.tensor(node, in_score)
+        if vector is not None and ({QUERY, KEY} & set(mod.roles)) - {vector}:
+            continue
+        local = f"t{k}"
+        # bounds only along the positions the tensor has: a per-query value loads once per row of the tile
+        bounds = [b for role, b in ((QUERY, "(i < C[0])"), (KEY, "(j < C[1])")) if role in mod.roles]
+        mask = f", mask={' & '.join(bounds)}, other=0" if bounds else ""
+        lines.append(f"    {local} = tl.load(C[{slot}] + {ctx.offset(mod, slot)}{mask})")
+        table[name] = local
+    return lines, table
+
+
+def _hook(name: str, params: str, origin: str, body: list[str], ret: str | None) -> str:
+    """A device function; of `body`, only the lines whose local a later line or `ret` reads (no unused loads). No
+    `ret`: a procedure, with no return statement (Triton 3.6 cannot compile `return None`)."""
+    kept: list[str] = []
+    reads = ret or ""
+    for line in reversed(body):
+        local = line.split("=")[0].strip() if " = " in line and not line.lstrip().startswith("tl.") else None
+        if local is None or re.search(rf"\b{re.escape(local)}\b", reads):
+            kept.insert(0, line)
+            reads += " " + line.split(" = ", 1)[-1]
+    return "\n".join(["", "", "@triton.jit", f"def {name}({params}):", f"    # {origin}",
+                      *(drop_double_parens(line) for line in kept),
+                      fit("return ", ret) if ret is not None else ("" if kept else "    pass")]).rstrip("\n")
+
+
+def derive(program: ir.Program, cert: Certificate, q_axes: tuple[str, ...], k_axes: tuple[str, ...],
+           mask: ir.Node | None) -> Modifiers:
+    """The hooks of a spec's score modifier (cert.modifier) and mask (None: no mask, or the plain causal one that
+    the kernels' CAUSAL flag handles)."""
+    if cert.modifier is None and mask is None:
+        return NONE
+    # a score modifier always runs with a mask hook (`true` without a mask): its range hooks leave the last,
+    # partial, block of each axis masked, so that no row or key past the end feeds a modified score to the sums
+    ctx = _Context(program, q_axes, k_axes)
+    parts: list[str] = []
+    description: list[str] = []
+    origin = cert.span.origin
+    if cert.modifier is not None:
+        parts += _score_hooks(ctx, cert, origin)
+        description.append(f"  score modifier: s' = {cert.modifier}  (x = scale * q.k)")
+    parts += _mask_hooks(ctx, mask, origin, description)
+    tensors = tuple(mod for mod, _ in sorted(ctx.tensors.values(), key=lambda m: m[1]))
+    return Modifiers(cert.modifier is not None, True, tensors,
+                     tuple(sorted(ctx.scalars, key=ctx.scalars.__getitem__)),
+                     tuple(sorted(ctx.sizes, key=ctx.sizes.__getitem__)), tuple(ctx.layout), "\n".join(parts),
+                     tuple(description))
+
+
+def _score_hooks(ctx: _Context, cert: Certificate, origin: str) -> list[str]:
+    modifier = cert.modifier
+    assert modifier is not None
+    lines, table = _loads(ctx, cert.leaves, True)
+    try:
+        text = _Printer(ctx.names(modifier, table, floats=True)).doprint(modifier)
+        dtext = _Printer(ctx.names(modifier, table, floats=True)).doprint(sympy.diff(modifier, X))
+    except ValueError as err:
+        raise UnsupportedModifier(cert.span, detail=f"cannot lower the score modifier to Triton: {err}") from None
+    parts = [_hook("_score", "s, i, j, b, h, C", origin, lines, text),
+             _hook("_dscore", "s, i, j, b, h, C", origin, lines, dtext)]
+    grads: list[str] = []
+    g = 0
+    for name, node in cert.leaves:
+        if not isinstance(node, ir.Load):
+            continue
+        mod, _ = ctx.tensors[node.tensor]
+        if not mod.float:
+            continue
+        derivative = sympy.diff(modifier, sympy.Symbol(name, real=True))
+        contribution = "ds" if derivative == 1 else \
+            f"ds * ({_Printer(ctx.names(derivative, table, floats=True)).doprint(derivative)})"
+        offset = " + ".join(f"{_ROLE_TEXT[r]} * G[{g + 1 + d}]" for d, r in enumerate(mod.roles))
+        offset = offset.replace(" * ", ".to(tl.int64) * ", 1)  # int64: a bias over four axes passes 2^31
+        grads.append(f"    d{g} = {contribution}")
+        if {QUERY, KEY} & set(mod.roles):
+            grads += [f"    at{g} = G[{g}] + ({offset}) + 0 * (i + j)",
+                      f"    tl.atomic_add(at{g}, d{g}, mask=ok, sem=\"relaxed\")"]
+        else:
+            grads.append(f"    tl.atomic_add(G[{g}] + {offset}, tl.sum(tl.sum(d{g}, 1), 0), sem=\"relaxed\")")
+        g += 1 + len(mod.roles)
+    if any("mask=ok" in line for line in grads):
+        grads.insert(0, "    ok = (i < C[0]) & (j < C[1])")
+    parts.append(_hook("_score_grads", "ds, s, i, j, b, h, C, G", origin, lines + grads, None))
+    return parts
+
+
+def _mask_condition(ctx: _Context, mask: ir.Node) -> tuple[sympy.Basic, tuple[tuple[str, ir.Node], ...]]:
+    from ncd.symbolic import condition_to_sympy
+
+    scalars = {t.name: t for t in ctx.program.inputs if not t.axes}
+
+    def leaf(n: ir.Node) -> sympy.Expr | None:
+        if isinstance(n, ir.AxisIndex) or (isinstance(n, ir.Load) and n.axes
+                                           and all(i.axis is not None for i in n.index)):
+            return modifier_symbol(ctx.program, n)
+        if isinstance(n, ir.Load) and n.tensor in scalars:
+            integer = scalars[n.tensor].dtype not in FLOAT_DTYPES
+            return sympy.Symbol(n.tensor, integer=True) if integer else sympy.Symbol(n.tensor, real=True)
+        if isinstance(n, ir.Const | ir.SizeOf):
+            return None
+        raise UnsupportedModifier(n.span, detail=f"a mask reads positions, scalar inputs and input tensors; "
+                                  f"{type(n).__name__.lower()} is none of them")
+
+    axes = {a.name: a for a in ctx.program.axes}
+    cond = condition_to_sympy(mask, axes, leaf=leaf)
+    return cond, modifier_leaves(cond, ctx.program, mask)
+
+
+def _mask_hooks(ctx: _Context, mask: ir.Node | None, origin: str, description: list[str]) -> list[str]:
+    cond, leaves = _mask_condition(ctx, mask) if mask is not None else (sympy.true, ())
+    lines, table = _loads(ctx, leaves, False)
+    try:
+        text = _Printer(ctx.names(cond, table), ints=True).doprint(cond)
+    except ValueError as err:
+        raise UnsupportedModifier(mask.span if mask is not None else None,
+                                  detail=f"cannot lower the mask to Triton: {err}") from None
+    parts = [_hook("_mask", "i, j, b, h, C", origin, lines, text)]
+    i = sympy.Symbol(f"pos_{ctx.query}", integer=True)
+    j = sympy.Symbol(f"pos_{ctx.key}", integer=True)
+    per: dict[str, set[str]] = {QUERY: set(), KEY: set()}  # symbols of tensors that vary along the query / key
+    for name, node in leaves:
+        if isinstance(node, ir.Load):
+            for role in (QUERY, KEY):
+                if role in ctx.tensors[node.tensor][0].roles:
+                    per[role].add(name)
+    symbols = {s.name: s for s in cond.free_symbols}
+    words = {name: f"{node.tensor}[{' '.join(i.axis or '' for i in node.index)}]" for name, node in leaves
+             if isinstance(node, ir.Load)}
+    description.append(f"  mask: {_readable(sympy.sstr(cond), words) if mask is not None else 'none (bounds only)'}")
+    for label, (row, col, role) in (("keys", (i, j, KEY)), ("queries", (j, i, QUERY))):
+        interval, exact = _interval(cond, row, col, frozenset(symbols[n] for n in per[role] if n in symbols))
+        text = _readable(describe(interval, ctx.key if role == KEY else ctx.query), words) if interval is not None \
+            else "not one interval: every block masked, none skipped"
+        description.append(f"    {label}: {text}" + ("" if exact or interval is None else
+                                                     " (outer bound of the conjuncts that are intervals: blocks "
+                                                     "outside it skipped, every block inside masked)"))
+        name, rows, n_rows, n_cols = ("_key_range", QUERY, "C[0]", "C[1]") if role == KEY else \
+            ("_query_range", KEY, "C[1]", "C[0]")
+        parts.append(_range_hook(ctx, name, interval, exact, leaves, rows, n_rows, n_cols, origin))
+    return parts
+
+
+def _interval(cond: sympy.Basic, row: sympy.Symbol, col: sympy.Symbol, dependent: frozenset
+              ) -> tuple[Interval | None, bool]:
+    """(interval, exact): the mask's exact visible interval; else, for a conjunction, the interval of the
+    conjuncts that have one, which contains the visible set (the kernels then skip blocks outside it and mask
+    every block inside: document masking within causal skips the blocks past the diagonal)."""
+    exact = visible_interval(cond, row, col, dependent)
+    if exact is not None or not isinstance(cond, sympy.And):
+        return exact, exact is not None
+    kept = [a for a in cond.args if visible_interval(a, row, col, dependent) is not None]
+    if not kept:
+        return None, False
+    return visible_interval(sympy.And(*kept, evaluate=False), row, col, dependent), False
+
+
+def _readable(text: str, words: dict[str, str]) -> str:
+    """A condition or interval in the spec's words: pos_key -> key, t_q_doc_batch_query -> q_doc[batch query]."""
+    text = re.sub(r"\bt_\w+", lambda m: words.get(m.group(0), m.group(0)), text)
+    return re.sub(r"\bpos_(\w+)", r"\1", text)
+
+
+def _range_hook(ctx: _Context, name: str, interval, exact: bool, leaves, row: str, n_rows: str, n_cols: str,
+                origin: str) -> str:
+    """(lo, full_lo, full_hi, hi) over a block of rows (`rows`, a vector of positions along `row`); without an
+    exact interval no block is full."""
+    params = "rows, b, h, C"
+    everything = _hook(name, params, origin, ["    zero = tl.min(rows, 0) * 0"], f"zero, zero, zero, zero + {n_cols}")
+    if interval is None:
+        return everything
+    lines, table = _loads(ctx, leaves, False, vector=row)
+    lines = [f"    {row} = rows", *lines]
+    exprs = {}
+    for label, value in (("lower", interval.lower), ("upper", interval.upper), ("gate", interval.gate)):
+        if value is None:
+            continue
+        try:
+            exprs[label] = _Printer(ctx.names(value, table), ints=True).doprint(value)
+        except ValueError:  # a bound the printer has no Triton for (a Piecewise): no skipping, still exact
+            return everything
+    lower = f"({exprs['lower']}) + 0 * rows" if "lower" in exprs else "0 * rows"
+    upper = f"({exprs['upper']}) + 1 + 0 * rows" if "upper" in exprs else f"{n_cols} + 0 * rows"
+    gate = exprs.get("gate", "True")
+    lines += [f"    lower = ({lower}).to(tl.int32)", f"    upper = ({upper}).to(tl.int32)",
+              f"    in_range = rows < {n_rows}",
+              f"    valid = in_range & ({gate})" if gate != "True" else "    valid = in_range",
+              f"    lo = tl.min(tl.where(valid, lower, {n_cols}), 0)",
+              "    hi = tl.max(tl.where(valid, upper, 0), 0)",
+              "    full_lo = tl.max(tl.where(valid, lower, 0), 0)",
+              f"    full_hi = tl.min(tl.where(valid, upper, {n_cols}), 0)",
+              "    gated = tl.max((in_range & (valid == 0)).to(tl.int32), 0)",  # a row that sees no key at all
+              "    full_hi = tl.where(gated > 0, full_lo, full_hi)" if exact else "    full_hi = full_lo"]
+    return _hook(name, params, origin, lines, "lo, full_lo, full_hi, hi")
+

@@ -1,0 +1,117 @@
+"""Issue 32: how the attention family plans masks and score modifiers (ncd/families/attention/modifiers.py): what it
+rejects and where, what `--emit plan` says, and that blocks a mask empties are never read (block sparsity)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+import ncd
+from ncd.errors import CallError, NcdError
+
+from .conftest import ROOT
+
+HEADER = """\
+spec t
+axis batch, head, query, key
+axis dim = 16
+in  Q[batch head query dim] : f32
+in  K[batch head key dim]   : f32
+in  V[batch head key dim]   : f32
+"""
+
+
+def _spec(tmp_path, body: str, name: str = "t.ncd"):
+    path = tmp_path / name
+    path.write_text(HEADER + textwrap.dedent(body))
+    return path
+
+
+def _plan_text(run_cli, path) -> str:
+    code, out, err = run_cli("compile", str(path), "--emit", "plan")
+    assert code == 0, err
+    return out
+
+
+def test_an_exponential_in_the_score_modifier_falls_back_with_the_reason_and_place(tmp_path, run_cli):
+    """The attention family refuses it (it could overflow before the stabiliser), at the normalised score; the
+    generic family compiles the spec instead."""
+    path = _spec(tmp_path, """\
+        param slope[head] : f32
+        S[batch head query key] = exp(Q . K over dim) + slope * (key - query)
+        A[batch head query key] = normalize(S, over key, a1(x) = x, a2(x) = x, b(z) = z)
+        out O[batch head query dim] = A . V over key
+        """)
+    text = _plan_text(run_cli, path)
+    assert text.startswith("family: generic")
+    assert "declined by attention: t.ncd:9:37: recognised, but: the score modifier" in text
+    assert "holds an exponential" in text
+
+
+def test_a_modifier_in_a_spelled_out_normaliser_says_to_use_normalize(tmp_path):
+    from ncd.streaming import certify
+
+    path = _spec(tmp_path, """\
+        param slope[head] : f32
+        S[batch head query key] = (Q . K over dim) + slope * (key - query)
+        E[batch head query key] = exp(S)
+        A[batch head query key] = E / sum(E, over key)
+        out O[batch head query dim] = A . V over key
+        """)
+    with pytest.raises(NcdError, match="normalize"):
+        certify(ncd.load_spec(path).program)
+
+
+def test_the_plan_prints_the_mask_and_its_intervals(run_cli):
+    text = _plan_text(run_cli, ROOT / "specs" / "sliding_window_softmax.ncd")
+    assert "mask: (key <= query) & (key > query - window)" in text
+    assert "keys: key in [query - window + 1, query]" in text
+    assert "queries: query in [key, key + window - 1]" in text
+    text = _plan_text(run_cli, ROOT / "specs" / "alibi_softmax.ncd")
+    assert "score modifier: s' = " in text and "slope" in text
+    text = _plan_text(run_cli, ROOT / "specs" / "document_softmax.ncd")
+    assert "outer bound" in text  # same document: not one interval; causal still bounds the blocks
+
+
+def test_blocks_the_window_empties_are_never_read():
+    """A causal window of 3 over 64 queries and keys (the interpreter's 16 x 16 tiles): query blocks from row 32 on
+    never visit key block 0, so NaN in its values and keys reaches no output row past 31 (a visited block, even
+    masked, would spread it: 0 * NaN in the products)."""
+    op = ncd.load(ROOT / "specs" / "sliding_window_softmax.ncd")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 128, generator=g) for _ in range(3))
+    expected = op(q, k, v, 3)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, :16] = float("nan")
+    v2[:, :, :16] = float("nan")
+    out = op(q, k2, v2, 3)
+    assert out[:, :, :16].isnan().any()  # the rows that do read key block 0
+    assert not out[:, :, 32:].isnan().any()
+    torch.testing.assert_close(out[:, :, 32:], expected[:, :, 32:], rtol=0, atol=0)
+
+
+def test_an_integer_mask_tensor_must_be_an_integer():
+    op = ncd.load(ROOT / "specs" / "padded_softmax.ncd")
+    q, k, v = (torch.randn(2, 1, 5, 128) for _ in range(3))
+    with pytest.raises(CallError, match="kv_len"):
+        op(q, k, v, torch.tensor([3.0, 5.0]), torch.tensor([5, 5]))
+
+
+def test_kernels_that_add_modifier_gradients_start_every_run_from_zero():
+    """The dK/dV kernels add each modifier tensor's gradient into G with atomics, and the autotuner runs a config
+    many times: each run (and the real launch) must find G zeroed, or the gradient is counted once per run (it was,
+    4e3 times over, on the GPU)."""
+    from ncd.families.attention import kernel
+
+    g, q = torch.ones(3), torch.zeros(1)
+    for kind in ("dkdv", "fused"):
+        g.fill_(1.0)
+        (config,) = kernel.tile_configs(kind, ())  # the interpreter's single config
+        config.pre_hook({"G": (g, 1), "HEAD_DIM": 16, "BLOCK_M": 16, "BLOCK_N": 16, "Q": q, "DO": q, "DS": q})
+        assert torch.equal(g, torch.zeros(3)), kind
+    (config,) = kernel.tile_configs("fwd", ())
+    g.fill_(1.0)
+    config.pre_hook({"G": (g, 1), "HEAD_DIM": 16, "BLOCK_M": 16, "BLOCK_N": 16, "Q": q, "K": q, "V": q, "O": q})
+    assert torch.equal(g, torch.ones(3))  # the forward accumulates nothing
