@@ -285,8 +285,8 @@ def modifier_symbol(program: ir.Program, node: ir.Node) -> sympy.Symbol:
     """The symbol a score modifier or mask uses for a position (`key`) or an element of a tensor that the
     kernels read next to the scores (`slope[head]`, `bias[head query key]`): its name says which, so that equal
     loads share one symbol; integer-valued where the value is."""
-    if isinstance(node, ir.AxisIndex):
-        return sympy.Symbol(f"pos_{node.axis}", integer=True)
+    if isinstance(node, ir.AxisIndex):  # (nonnegative: prefix-LM's queries per key are then one interval)
+        return sympy.Symbol(f"pos_{node.axis}", integer=True, nonnegative=True)
     assert isinstance(node, ir.Load)
     name = "_".join(["t", node.tensor, *(i.axis or "" for i in node.index)])
     if program.tensor(node.tensor).dtype in FLOAT_DTYPES:

@@ -115,3 +115,18 @@ def test_kernels_that_add_modifier_gradients_start_every_run_from_zero():
     g.fill_(1.0)
     config.pre_hook({"G": (g, 1), "HEAD_DIM": 16, "BLOCK_M": 16, "BLOCK_N": 16, "Q": q, "K": q, "V": q, "O": q})
     assert torch.equal(g, torch.ones(3))  # the forward accumulates nothing
+
+
+def test_the_backward_skips_the_query_blocks_a_prefix_lm_key_never_sees():
+    """Prefix-LM's queries per key are [0, N) for a prefix key and [j, N) after it (one interval, through a
+    Piecewise bound): the dK/dV programs of keys 32.. never read query block 0, so NaN in those queries leaves
+    their dK finite (a visited block, even masked, would spread it through dS^T Q)."""
+    op = ncd.load(ROOT / "specs" / "prefix_lm_softmax.ncd")
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 1, 64, 128, generator=g) for _ in range(3))
+    q[:, :, :16] = float("nan")
+    k.requires_grad_()
+    out = op(q, k, v, torch.tensor([4], dtype=torch.int32))
+    (dk,) = torch.autograd.grad(out[:, :, 16:].sum(), [k])
+    assert dk[:, :, :4].isnan().any()  # prefix keys are seen by the NaN queries
+    assert not dk[:, :, 32:].isnan().any()

@@ -126,6 +126,13 @@ class _Printer(TritonPrinter):
             out = f"tl.minimum({out}, {self._print(a)})"
         return out
 
+    def _print_Piecewise(self, expr: sympy.Basic) -> str:
+        *pieces, (last, _) = expr.args  # sympy closes a Piecewise with a (value, True) piece
+        out = self._print(last)
+        for value, cond in reversed(pieces):
+            out = f"tl.where({self._print(cond)}, {self._print(value)}, {out})"
+        return out
+
     def _print_floor(self, expr: sympy.Basic) -> str:
         return f"tl.floor({self._print(expr.args[0])})"
 
@@ -360,8 +367,8 @@ def _mask_hooks(ctx: _Context, mask: ir.Node | None, origin: str, description: l
         raise UnsupportedModifier(mask.span if mask is not None else None,
                                   detail=f"cannot lower the mask to Triton: {err}") from None
     parts = [_hook("_mask", "i, j, b, h, C", origin, lines, text)]
-    i = sympy.Symbol(f"pos_{ctx.query}", integer=True)
-    j = sympy.Symbol(f"pos_{ctx.key}", integer=True)
+    i = sympy.Symbol(f"pos_{ctx.query}", integer=True, nonnegative=True)  # (as streaming.modifier_symbol makes them)
+    j = sympy.Symbol(f"pos_{ctx.key}", integer=True, nonnegative=True)
     per: dict[str, set[str]] = {QUERY: set(), KEY: set()}  # symbols of tensors that vary along the query / key
     for name, node in leaves:
         if isinstance(node, ir.Load):
