@@ -130,3 +130,58 @@ def test_the_backward_skips_the_query_blocks_a_prefix_lm_key_never_sees():
     (dk,) = torch.autograd.grad(out[:, :, 16:].sum(), [k])
     assert dk[:, :, :4].isnan().any()  # prefix keys are seen by the NaN queries
     assert not dk[:, :, 32:].isnan().any()
+
+
+def test_modifier_ops_trace_under_torch_compile_with_their_gradients():
+    """The custom op takes the modifier tensors as arguments (the slope with its gradient, integer lengths as
+    constants): fullgraph tracing gives the eager op's output and gradients."""
+    op = ncd.load(ROOT / "specs" / "alibi_softmax.ncd")
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 20, 128, generator=g) for _ in range(3))
+    slope = torch.tensor([0.5, 0.25])
+    results = []
+    for fn in (op, torch.compile(lambda *a: op(*a), fullgraph=True, backend="aot_eager")):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, slope)]
+        out = fn(*leaves)
+        results.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
+    for eager, traced in zip(*results, strict=True):
+        torch.testing.assert_close(traced, eager, rtol=0, atol=0)
+    padded = ncd.load(ROOT / "specs" / "padded_softmax.ncd")
+    traced = torch.compile(lambda *a: padded(*a), fullgraph=True, backend="aot_eager")
+    out = traced(q, k, v, torch.tensor([7], dtype=torch.int32), torch.tensor([15], dtype=torch.int32))
+    assert out[:, :, 15:].eq(0).all() and out[:, :, :15].ne(0).any()
+
+
+GQA_COMBINED = """\
+spec gqa_window_alibi
+axis batch, query, key
+axis kvhead, qgroup
+axis head = kvhead * qgroup
+axis dim = 16
+in  Q[batch head query dim]  : f32
+in  K[batch kvhead key dim]  : f32
+in  V[batch kvhead key dim]  : f32
+in  kv_len[batch] : i32
+param slope[head] : f32
+in  window : i32 = 6
+S[batch head query key] = (Q . K over dim) / 4 + slope * (key - query)
+A[batch head query key] = normalize(S, over key, a1(x) = exp(x), a2(x) = exp(x), b(z) = z,
+                                    mask = key <= query and key > query - window and key < kv_len)
+out O[batch head query dim] = A . V over key
+"""
+
+
+def test_grouped_heads_with_a_window_padding_and_alibi_match_float64(tmp_path):
+    """Grouped K/V heads (each K/V head read by two query heads, a slope per query head), a window, key padding
+    and ALiBi together: the validation's default case (odd sizes, the mask inputs drawn to cut them), forward and
+    every gradient against the float64 reference."""
+    from ncd.validate import validate
+
+    path = tmp_path / "gqa_window_alibi.ncd"
+    path.write_text(GQA_COMBINED)
+    op = ncd.load(path)
+    assert op.plan.family == "attention"
+    rows = validate(op, torch.float32, seed=5)
+    assert {r.quantity for r in rows} == {"O", "dQ", "dK", "dV", "dslope"}
+    for row in rows:
+        assert row.ok, row
