@@ -138,7 +138,7 @@ _TOKEN_VOCABULARY = [b"spec", b"axis", b"const", b"in", b"param", b"out", b"basi
                      b"normalize", b"scan", b"prev", b"sum", b"max", b"min", b"where", b"size", b"chebyshev_solve",
                      b"a1(x) =", b"b(z) =", b"(", b")", b"[", b"]", b"{", b"}", b"=", b"==", b"<=", b".", b",", b":",
                      b";", b"^", b"*", b"/", b"+", b"-", b"f32", b"bf16", b"x", b"T[n+1]", b"0", b"1", b"-1",
-                     b"0.5", b"#"]
+                     b"0.5", b"#", b"and", b"or", b"not", b"mask =", b"key", b"query"]
 
 
 def delete_token(data: bytes, rng: random.Random) -> bytes:
