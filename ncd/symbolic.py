@@ -214,16 +214,19 @@ class TritonPrinter(StrPrinter):
         at_zero = self._print(expr.args[1]) if len(expr.args) > 1 else "0.5"
         return f"tl.where(({a}) > 0, 1.0, tl.where(({a}) < 0, 0.0, tl.where(({a}) == 0, {at_zero}, ({a}))))"
 
+    # NaN in, NaN out (float maps); a printer of integer bounds turns it off (Triton's default)
+    NAN_ARGUMENT = ", propagate_nan=tl.PropagateNan.ALL"
+
     def _print_Max(self, expr: sympy.Expr) -> str:
         out = self._print(expr.args[0])
         for a in expr.args[1:]:
-            out = f"tl.maximum({out}, {self._print(a)}, propagate_nan=tl.PropagateNan.ALL)"  # NaN in, NaN out
+            out = f"tl.maximum({out}, {self._print(a)}{self.NAN_ARGUMENT})"
         return out
 
     def _print_Min(self, expr: sympy.Expr) -> str:
         out = self._print(expr.args[0])
         for a in expr.args[1:]:
-            out = f"tl.minimum({out}, {self._print(a)}, propagate_nan=tl.PropagateNan.ALL)"
+            out = f"tl.minimum({out}, {self._print(a)}{self.NAN_ARGUMENT})"
         return out
 
     def _print_Pow(self, expr: sympy.Pow, rational: bool = False) -> str:

@@ -63,7 +63,7 @@ def _source(expr: sympy.Basic) -> str:
             f"({_source(value)} if {_source(condition)} else {_source(sympy.Piecewise(*rest))})"
     if expr.func in _CALLS:
         return f"{_CALLS[expr.func]}({', '.join(map(_source, expr.args))})"
-    raise NotImplementedError(f"no printer for {expr!r}")
+    raise TypeError(f"the exact evaluator has no rule for {expr!r}: add one beside the others")
 
 
 def _compile(expr: sympy.Basic) -> Callable[[dict[str, Any]], Any]:

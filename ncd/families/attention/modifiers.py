@@ -83,6 +83,8 @@ class _Printer(TritonPrinter):
     def __init__(self, names: dict[str, str], ints: bool = False) -> None:
         super().__init__()
         self.names, self.ints = names, ints
+        if ints:  # integer bounds (ranges, masks): Triton's maximum takes no NaN rule there
+            self.NAN_ARGUMENT = ""
 
     def _print_Symbol(self, expr: sympy.Symbol) -> str:
         if expr.name not in self.names:
@@ -113,18 +115,6 @@ class _Printer(TritonPrinter):
 
     def _print_BooleanFalse(self, expr: sympy.Basic) -> str:
         return "False"
-
-    def _print_Max(self, expr: sympy.Basic) -> str:
-        out = self._print(expr.args[0])
-        for a in expr.args[1:]:
-            out = f"tl.maximum({out}, {self._print(a)})"
-        return out
-
-    def _print_Min(self, expr: sympy.Basic) -> str:
-        out = self._print(expr.args[0])
-        for a in expr.args[1:]:
-            out = f"tl.minimum({out}, {self._print(a)})"
-        return out
 
     def _print_Piecewise(self, expr: sympy.Basic) -> str:
         *pieces, (last, _) = expr.args  # sympy closes a Piecewise with a (value, True) piece

@@ -36,7 +36,9 @@ class AttentionOp:
         # the score and mask hooks' inputs (modifiers.py): tensors (name, dimensions, takes a gradient), scalar
         # inputs, and the axes whose sizes they read; after (q, k, v, w, scale) in that order
         tensors, scalars, sizes, layout = modifiers
-        self.mod_layout = tuple((kind, name) for kind, name in layout)
+        order = [*(name for name, _, _ in tensors), *scalars, *sizes]  # the op's modifier arguments, in order
+        # the context's entries after (N_Q, N_K, GROUP): (index into those arguments, a tensor: pointer and strides)
+        self.mod_layout = tuple((order.index(name), kind == "tensor") for kind, name in layout)
         self.mod_tensors = tuple((name, int(dims), bool(grad)) for name, dims, grad in tensors)
         self.mod_scalars, self.mod_sizes = tuple(scalars), tuple(sizes)
         args = [*_ARGS, *(Arg(f"m_{name}", grad=grad) for name, _, grad in self.mod_tensors),
@@ -65,12 +67,11 @@ class AttentionOp:
         sizes), in modifiers.py's order; None without modifiers."""
         if not self.ns["KERNELS"].modified:
             return None
-        values = dict(zip((*(n for n, _, _ in self.mod_tensors), *self.mod_scalars, *self.mod_sizes),
-                          (*tensors, *constants), strict=True))
+        values = (*tensors, *constants)
         context: list[Any] = [q.shape[2], k.shape[2], q.shape[1] // k.shape[1]]
-        for kind, name in self.mod_layout:
-            value = values[name]
-            context += [value, *value.stride()] if kind == "tensor" else [value]
+        for index, is_tensor in self.mod_layout:
+            value = values[index]
+            context += [value, *value.stride()] if is_tensor else [value]
         return tuple(context)
 
     def _grad_buffers(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], tuple]:
