@@ -14,6 +14,7 @@ import sympy
 from .source import NO_SPAN, Source, Span
 
 DTYPES = ("f16", "bf16", "f32", "f64", "i32", "i64", "bool")
+FLOAT_DTYPES = DTYPES[:4]
 ELEMENTWISE = ("abs", "sign", "exp", "log", "sqrt", "tanh", "sigmoid", "sin", "cos", "acos")
 COMPARISONS = ("<", "<=", ">", ">=", "==", "!=")
 LOGICAL = ("and", "or")  # of two conditions; `not` is Unary("not", ...)

@@ -278,7 +278,7 @@ def _map_of(program: ir.Program, node: ir.Node, score: ir.Node, axis: str, blame
     return to_sympy(node, {a.name: a for a in program.axes}, leaf=leaf)
 
 
-FLOAT_DTYPES = ("f16", "bf16", "f32", "f64")
+FLOAT_DTYPES = ir.FLOAT_DTYPES
 
 
 def modifier_symbol(program: ir.Program, node: ir.Node) -> sympy.Symbol:

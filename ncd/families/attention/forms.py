@@ -85,13 +85,13 @@ class AttentionForms(Forms):
                     drawn.view(-1)[0] = 0
                 inputs[t.name] = drawn.to(value.device, value.dtype)
         for name in self.plan.modifiers.scalars:
-            if program.tensor(name).dtype not in ("f16", "bf16", "f32", "f64"):
+            if program.tensor(name).dtype not in ir.FLOAT_DTYPES:
                 inputs[name] = torch.tensor(float(MASK_SCALAR))
         return inputs
 
     def cases(self, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
         masked_rows = self.plan.roles.weight or any(not t.float for t in self.plan.modifiers.tensors) or any(
-            self.op.front.program.tensor(n).dtype not in ("f16", "bf16", "f32", "f64")
+            self.op.front.program.tensor(n).dtype not in ir.FLOAT_DTYPES
             for n in self.plan.modifiers.scalars)
         draws = ["large", "zeros"] + (["masked"] if masked_rows else [])
         out = [Case("streamed", "normal", FP32)]
@@ -184,7 +184,7 @@ class AttentionForms(Forms):
                 if not t.float and not {"i", "j"} & set(t.roles):
                     out[t.name] = torch.zeros_like(out[t.name])
             for name in self.plan.modifiers.scalars:
-                if program.tensor(name).dtype not in ("f16", "bf16", "f32", "f64"):
+                if program.tensor(name).dtype not in ir.FLOAT_DTYPES:
                     out[name] = torch.tensor(2.0)
         elif case.draw == "masked":  # rows with no visible key of nonzero weight: output 0, no gradient
             w_axes = self.op.front.program.tensor(r.weight).axes
