@@ -250,16 +250,18 @@ def _run_noting_fallbacks(args: argparse.Namespace) -> int:
     on stderr as a note with its location (other warnings pass through unchanged)."""
     from ncd.backend import FallbackWarning
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", FallbackWarning)
-        try:
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as recorded:
+            warnings.simplefilter("always", FallbackWarning)
+            caught = recorded
             return int(args.run(args))
-        finally:
-            for w in caught:
-                if issubclass(w.category, FallbackWarning):
-                    print(f"ncd: note: {w.message}", file=sys.stderr)
-                else:
-                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    finally:  # outside the recording context: there showwarning would append to `caught` while it is read
+        for w in caught:
+            if issubclass(w.category, FallbackWarning):
+                print(f"ncd: note: {w.message}", file=sys.stderr)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
