@@ -52,7 +52,17 @@ class IndexOffset:
     span: Span
 
 
-Index = Union[IndexName, IndexInt, IndexOffset]
+@dataclass(frozen=True)
+class IndexExpr:
+    """`T[head, clamp(key - query, -8, 8) + 8]`: an index that is an integer expression (of axis positions, sum
+    indices, integer scalar inputs and numbers) rather than a name, a number or NAME+INT."""
+
+    expr: Expr
+    span: Span
+
+
+SimpleIndex = Union[IndexName, IndexInt, IndexOffset]  # what a basis rule's left-hand side takes
+Index = Union[IndexName, IndexInt, IndexOffset, IndexExpr]
 
 
 @dataclass(frozen=True)
@@ -213,7 +223,7 @@ class Define:
 @dataclass(frozen=True)
 class BasisRule:
     name: Ident
-    index: Index
+    index: SimpleIndex
     value: Expr
     span: Span
 

@@ -187,7 +187,8 @@ class Lambda:
 
 @dataclass(frozen=True)
 class Normalize:
-    """N(x)_i = w_i a1(x_i) / b(sum_j w_j a2(x_j)) over one axis, entries outside `mask` excluded."""
+    """N(x)_i = w_i a1(x_i) / b(sum_j w_j a2(x_j) + a2(sink)) over one axis, entries outside `mask` excluded; the
+    sink (a logit over the other axes, or none) is one more entry with no value (attention sinks)."""
 
     arg: Node
     over: str
@@ -198,6 +199,7 @@ class Normalize:
     weight: Node | None
     axes: tuple[str, ...]
     span: Span
+    sink: Node | None = None
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,12 @@ from .errors import (
     UnusedInput,
 )
 from .identifiers import check_identifier, identifier_problem
+from .index_expr import load_axes, lower_index
 from .limits import MAX_AXIS_SIZE, MAX_EXPONENT, MAX_POWER_BITS, MAX_SUM_TERMS, symbolic_budget
 from .source import Span
 from .symbolic import to_sympy
 
-STRUCTURAL = ("sum", "max", "min", "where", "size", "normalize", "scan", "chebyshev_solve")
+STRUCTURAL = ("sum", "max", "min", "clamp", "where", "size", "normalize", "scan", "chebyshev_solve")
 FUNCTIONS = (*ir.ELEMENTWISE, *STRUCTURAL)
 COMPARISONS = ir.COMPARISONS
 CONDITION_HINT = "compare first: x > 0 and y > 0"
@@ -455,6 +456,10 @@ class _ExprLowering:
                                        f"cannot be read as '{target}' (size {self.o.axes[target].size})")
                 out.append(ir.LoadIndex(target))
                 continue
+            if isinstance(index, ast.IndexExpr) or (isinstance(index, ast.IndexOffset)
+                                                    and index.ident.name not in self.scope.variables):
+                out.append(ir.LoadIndex(None, lower_index(self, index, name, axis)))  # ncd/index_expr.py
+                continue
             value, lo, hi = self._index_value(index)
             if axis.fixed is None:
                 raise SizeMismatch(index.span, detail=f"axis '{axis_name}' of '{name}' has no fixed size; "
@@ -466,9 +471,11 @@ class _ExprLowering:
         axes = tuple(i.axis for i in out if i.axis is not None)
         if len(set(axes)) != len(axes):
             raise AxisMismatch(span, detail=f"'{name}' is read with a repeated axis")
-        return ir.Load(name, tuple(out), axes, span)
+        return ir.Load(name, tuple(out), load_axes(out, list(self.o.axes)), span)
 
     def _index_value(self, index: ast.Index) -> tuple[sympy.Expr, int, int]:
+        if isinstance(index, ast.IndexExpr):
+            raise TypeMismatch(index.span, detail="a basis degree is a number or a sum index (j, j+1, j-1)")
         if isinstance(index, ast.IndexInt):
             return sympy.Integer(index.value), index.value, index.value
         ident = index.ident
@@ -647,6 +654,13 @@ class _ExprLowering:
     def _call_min(self, e: ast.Call, args: _CallArgs) -> ir.Node:
         return self._reduce("min", e, args)
 
+    def _call_clamp(self, e: ast.Call, args: _CallArgs) -> ir.Node:
+        """clamp(x, lo, hi) = min(max(x, lo), hi), element-wise (in an index too: ncd/index_expr.py)."""
+        args.only(positional=3)
+        x, lo, hi = (self._numeric(self.sub(a)) for a in args.positional)
+        low = ir.Binary("max", x, lo, self.o._merge(x.axes, lo.axes), e.span)
+        return ir.Binary("min", low, hi, self.o._merge(low.axes, hi.axes), e.span)
+
     def _finite_sum(self, comp: ast.Comprehension, span: Span) -> ir.Node:
         var = comp.var
         check_identifier(var)
@@ -689,7 +703,7 @@ class _ExprLowering:
         raise TypeMismatch(bound.span, detail=f"range bound '{bound.name}' must be an integer constant")
 
     def _call_normalize(self, e: ast.Call, args: _CallArgs) -> ir.Node:
-        args.only(positional=1, over=True, functions=("a1", "a2", "b"), keywords=("mask", "weight"))
+        args.only(positional=1, over=True, functions=("a1", "a2", "b"), keywords=("mask", "weight", "sink"))
         if args.over is None or len(args.over.axes) != 1:
             raise BadArgument(e.span, name="normalize", detail="normalize takes exactly one axis: over AXIS")
         arg = self._numeric(self.sub(args.positional[0]))
@@ -720,8 +734,15 @@ class _ExprLowering:
                         raise AxisMismatch(node.span, detail=f"normalize's {key} carries axis '{axis}', "
                                            f"which the argument [{' '.join(arg.axes)}] lacks")
                 extras[key] = node
+        sink = None
+        if "sink" in args.keywords:  # a logit per row: one more entry of the normalised axis, with no value
+            sink = self._numeric(self.sub(args.keywords["sink"].value))
+            for axis in sink.axes:
+                if axis == over or (axis not in arg.axes and self.o._owner(axis, arg.axes) is None):
+                    raise AxisMismatch(sink.span, detail=f"normalize's sink carries axis '{axis}'; a sink is one "
+                                       f"logit per row, over the argument's axes other than '{over}'")
         return ir.Normalize(arg, over, fns["a1"], fns["a2"], fns["b"], extras["mask"], extras["weight"],
-                            arg.axes, e.span)
+                            arg.axes, e.span, sink)
 
     def _call_scan(self, e: ast.Call, args: _CallArgs) -> ir.Node:
         args.only(positional=1, over=True, keywords=("init",))

@@ -273,6 +273,9 @@ class _ToAst(Transformer[Any, Any]):
         return ast.BasisDecl(self._ident(name), self._ident(param), tuple(rules), self._span(meta))
 
     def basis_rule(self, meta, items):
+        if isinstance(items[1], ast.IndexExpr):
+            raise SpecSyntaxError(items[1].span, detail="a basis rule defines T[0], T[1], ... or T[n+1]",
+                                  hint="for example: T[0] = 1, T[1] = u, T[n+1] = 2*u*T[n] - T[n-1]")
         return ast.BasisRule(self._ident(items[0]), items[1], items[2], self._span(meta))
 
     # expressions
@@ -333,17 +336,19 @@ class _ToAst(Transformer[Any, Any]):
     def index_items(self, meta, items):
         return tuple(items)
 
-    def index_name(self, meta, items):
-        return ast.IndexName(self._ident(items[0]))
-
-    def index_int(self, meta, items):
-        return ast.IndexInt(self._int(items[0]), self._span(meta))
-
-    def index_plus(self, meta, items):
-        return ast.IndexOffset(self._ident(items[0]), self._int(items[1]), self._span(meta))
-
-    def index_minus(self, meta, items):
-        return ast.IndexOffset(self._ident(items[0]), -self._int(items[1]), self._span(meta))
+    def index_item(self, meta, items):
+        """An index entry: the simple forms (a name, an integer, NAME+INT, NAME-INT) as their own nodes, which
+        relabelling, finite sums and basis recurrences read; any other expression as an IndexExpr."""
+        expr, span = items[0], self._span(meta)
+        if isinstance(expr, ast.NameRef):
+            return ast.IndexName(ast.Ident(expr.name, expr.span))
+        if isinstance(expr, ast.Number) and isinstance(expr.value, int):
+            return ast.IndexInt(expr.value, span)
+        if (isinstance(expr, ast.Binary) and expr.op in ("+", "-") and isinstance(expr.lhs, ast.NameRef)
+                and isinstance(expr.rhs, ast.Number) and isinstance(expr.rhs.value, int)):
+            offset = expr.rhs.value if expr.op == "+" else -expr.rhs.value
+            return ast.IndexOffset(ast.Ident(expr.lhs.name, expr.lhs.span), offset, span)
+        return ast.IndexExpr(expr, span)
 
     def indexed(self, meta, items):
         return ast.Indexed(self._ident(items[0]), items[1], self._span(meta))

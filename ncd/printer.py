@@ -114,8 +114,8 @@ def format_node(node: ir.Node, parent: int = 0) -> str:
     if isinstance(node, ir.Lambda):
         return f"{node.param} -> {format_node(node.body)}"
     if isinstance(node, ir.Normalize):
-        extras = "".join(f", {k} = {format_node(v)}" for k, v in (("mask", node.mask), ("weight", node.weight))
-                         if v is not None)
+        extras = "".join(f", {k} = {format_node(v)}" for k, v in
+                         (("mask", node.mask), ("weight", node.weight), ("sink", node.sink)) if v is not None)
         return (f"normalize({format_node(node.arg)}, over {node.over}, a1 = {format_node(node.a1)}, "
                 f"a2 = {format_node(node.a2)}, b = {format_node(node.b)}{extras}){_axes(node)}")
     if isinstance(node, ir.BasisEval):

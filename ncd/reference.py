@@ -15,6 +15,7 @@ import sympy
 import torch
 
 from . import ir
+from .index_expr import gather, is_gather
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,9 @@ class _Evaluator:
     def load(self, node: ir.Load, scope: dict[str, object]) -> Named:
         value = self.env[node.tensor]
         data = value.data
+        if is_gather(self.p, node):  # read at index expressions of positions (ncd/index_expr.py)
+            scalars = {t.name: self.env[t.name].data for t in self.p.inputs if not t.axes}
+            return Named(gather(self.p, node, data, self.sizes, scope, scalars), node.axes)
         kept: list[str] = []
         for dim, index in reversed(list(enumerate(node.index))):
             if index.axis is None:
@@ -242,6 +246,9 @@ class _Evaluator:
             keep = keep * self.to_axes(self.eval(node.weight, scope), s.axes).data
         dim = s.axes.index(node.over)
         z = (keep * torch.where(keep != 0, self.lam(node.a2, data), 0)).sum(dim)
+        if node.sink is not None:  # one more entry with no value (docs/language.md, normalize's sink)
+            rest = tuple(a for a in s.axes if a != node.over)
+            z = z + self.lam(node.a2, self.to_axes(self.eval(node.sink, scope), rest).data.expand_as(z))
         masked = z == 0  # a row with no visible key of nonzero weight: output 0, no gradient (docs/language.md)
         b = self.lam(node.b, torch.where(masked, 1, z))
         self.normalisers.append(Named(b, tuple(a for a in s.axes if a != node.over)))

@@ -19,12 +19,14 @@ spelled-out form is separated symbolically into a1(s) / b(r) or rejected with th
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 
 import sympy
 
 from . import ir
 from .errors import NotStreamable
+from .index_expr import is_gather
 from .source import Span
 from .symbolic import lambda_to_sympy, to_sympy
 
@@ -60,6 +62,10 @@ class Certificate:
     # behind each of its symbols other than X (modifier_symbol).
     modifier: sympy.Expr | None = None
     leaves: tuple[tuple[str, ir.Node], ...] = ()
+    # a sink: one more entry of the row's sum with no value (kernel_sink.py): the logit node of normalize's `sink`
+    # (a map of it by `pre` in the maps' domain), or the constant t0 of b(z) = c z + beta (b is then c z)
+    sink_node: ir.Node | None = None
+    sink: sympy.Expr | None = None
 
     @property
     def state(self) -> tuple[str, ...]:
@@ -82,7 +88,11 @@ class Certificate:
                    if self.modifier is not None else []),
                  *([f"  pre-map (stabiliser): t = h(x) = {self.pre}; a1, a2 below are maps of t"]
                    if self.pre != X else []),
-                 f"  a1(x) = {self.a1}    a2(x) = {self.a2}    b(z) = {self.b}"]
+                 f"  a1(x) = {self.a1}    a2(x) = {self.a2}    b(z) = {self.b}",
+                 *([f"  sink: one more entry of the sum with no value, at t = {self.sink} (b's constant term)"]
+                   if self.sink is not None else []),
+                 *(["  sink: one more entry of the sum with no value, at the logit of normalize's sink"]
+                   if self.sink_node is not None else [])]
         if self.rescale is None:
             lines += ["  state: o (per row, value width), z (per row)",
                       "  init: o = 0, z = 0",
@@ -180,12 +190,41 @@ class Stabilised:
     pre: sympy.Expr
     a1: sympy.Expr
     a2: sympy.Expr
+    # b(z) = c z + beta (softmax-plus-one): b = c z with a sink entry of logit `sink` in t (a2(sink) = beta / c),
+    # merged into the running-max state like any key (kernel_sink.py), so exp(-m) never forms
+    b: sympy.Expr | None = None
+    sink: sympy.Expr | None = None
+
+
+def _offset_sink(a2_t: sympy.Expr, b: sympy.Expr, rescale: Rescale | str | None) -> tuple[sympy.Expr,
+                                                                                           sympy.Expr] | None:
+    """(c z, t0) where b(z) = c z + beta with constants c, beta > 0 and a1, a2 exponentials of one rate: the
+    offset is a2(t0) = beta / c, one more entry of the sum with no value. None otherwise."""
+    if not isinstance(rescale, str) or "not homogeneous" not in rescale or b.free_symbols - {Z}:
+        return None
+    beta = sympy.simplify(b.subs(Z, 0))
+    c = sympy.simplify(b - beta) / Z
+    c = sympy.simplify(c)
+    if c.free_symbols or not (c.is_positive and beta.is_positive and beta.is_finite):
+        return None
+    form = _exponent_form(a2_t)
+    if form is None or sympy.simplify(form[1] - sympy.diff(form[1], X) * X) != 0:
+        return None
+    log_c2, g = form
+    rate = sympy.diff(g, X)
+    t0 = sympy.simplify((sympy.log(beta / c) - log_c2) / rate)
+    return c * Z, t0
 
 
 def stabilise(a1: sympy.Expr, a2: sympy.Expr, b: sympy.Expr) -> Stabilised | str:
     """The stabiliser for exponential maps (running max of x, or of h(x) as a pre-map); plain sums for the rest;
     otherwise the reason the maps cannot stream without overflow."""
     rescale = derive_rescale(a1, a2, b)
+    offset = _offset_sink(a2, b, rescale)
+    if offset is not None:
+        rescale = derive_rescale(a1, a2, offset[0])
+        if isinstance(rescale, Rescale):
+            return Stabilised(rescale, X, a1, a2, *offset)
     if isinstance(rescale, str):
         return rescale
     if rescale is not None:
@@ -206,6 +245,9 @@ def stabilise(a1: sympy.Expr, a2: sympy.Expr, b: sympy.Expr) -> Stabilised | str
                     "every real x, so the running max of h cannot stabilise them")
         a1_t, a2_t = sympy.exp(log_c1) * sympy.exp(ratio * X), sympy.exp(log_c2) * sympy.exp(X)
         rescale = derive_rescale(a1_t, a2_t, b)
+        offset = _offset_sink(a2_t, b, rescale)
+        if offset is not None and isinstance(derive_rescale(a1_t, a2_t, offset[0]), Rescale):
+            return Stabilised(derive_rescale(a1_t, a2_t, offset[0]), h, a1_t, a2_t, *offset)  # type: ignore[arg-type]
         if not isinstance(rescale, Rescale):
             return f"as maps of t = {h}: {rescale}"
         return Stabilised(rescale, h, a1_t, a2_t)
@@ -233,7 +275,9 @@ def _certify_definition(program: ir.Program, d: ir.Definition) -> Certificate | 
         if isinstance(weights, ir.Normalize) and weights.over == axis:
             return _from_normalize(program, d, weights)
         aggregates = [n for n in ir.walk(weights) if isinstance(n, ir.Reduce) and axis in n.over]
-        if aggregates:
+        # (an aggregate of inputs alone normalises no scores: QK-norm's q / |q| contracted with k is a score, whose
+        # normalised operand the attention prologue computes, families/attention/prologue.py)
+        if aggregates and any(isinstance(n, ir.Contract) for n in ir.walk_inlined(program, weights)):
             return _from_expression(program, d, weights, axis, aggregates)
     return None
 
@@ -272,6 +316,8 @@ def _map_of(program: ir.Program, node: ir.Node, score: ir.Node, axis: str, blame
         if isinstance(n, ir.AxisIndex) or (isinstance(n, ir.Load) and n.axes
                                            and all(i.axis is not None for i in n.index)):
             return modifier_symbol(program, n)  # a score modifier: positions, tensors read next to the scores
+        if isinstance(n, ir.Load) and is_gather(program, n):  # (ncd/index_expr.py): a table read at an expression
+            return modifier_symbol(program, n)  # of positions (T5's relative bias); modifiers.py prints it
         raise NotStreamable(n.span, detail=f"{type(n).__name__.lower()} inside the normalised scores is not an "
                             f"element-wise map of one score, so the fusion theorem does not apply")
 
@@ -288,7 +334,9 @@ def modifier_symbol(program: ir.Program, node: ir.Node) -> sympy.Symbol:
     if isinstance(node, ir.AxisIndex):  # (nonnegative: prefix-LM's queries per key are then one interval)
         return sympy.Symbol(f"pos_{node.axis}", integer=True, nonnegative=True)
     assert isinstance(node, ir.Load)
-    name = "_".join(["t", node.tensor, *(i.axis or "" for i in node.index)])
+    # (an index expression by a digest of its text: two reads of one table at different expressions differ)
+    name = "_".join(["t", node.tensor, *(i.axis or "e" + hashlib.sha1(sympy.srepr(i.index).encode()).hexdigest()[:8]
+                                         for i in node.index)])
     if program.tensor(node.tensor).dtype in FLOAT_DTYPES:
         return sympy.Symbol(name, real=True)
     return sympy.Symbol(name, integer=True)
@@ -413,4 +461,9 @@ def _certificate(program: ir.Program, d: ir.Definition, axis: str, a1: sympy.Exp
     if isinstance(stable, str):
         raise NotStreamable(blame.span, detail=f"'{d.tensor}' cannot stream over '{axis}': {stable}",
                             hint="write the maps as exp(c * h(x)) with one h, or as bounded functions")
-    return Certificate(d.tensor, axis, stable.a1, stable.a2, b, stable.rescale, scale, span, stable.pre)
+    sink_node = blame.sink if isinstance(blame, ir.Normalize) else None
+    if sink_node is not None and stable.sink is not None:
+        raise NotStreamable(sink_node.span, detail=f"b(z) = {b} already adds a constant to the sum (a sink of its "
+                            "own), and normalize's sink adds another", hint="give the sink once: b(z) = z with sink")
+    return Certificate(d.tensor, axis, stable.a1, stable.a2, stable.b if stable.b is not None else b,
+                       stable.rescale, scale, span, stable.pre, sink_node=sink_node, sink=stable.sink)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sympy
 
 from . import ir
+from .index_expr import Position, integer_valued, load_axes
 
 
 def _fail(where: str, why: str) -> None:
@@ -63,8 +64,11 @@ def _verify_node(node: ir.Node, axes: dict, tensors: dict, defined: set[str], bo
             _fail(where, f"reads {node.tensor} before it is defined")
         if len(node.index) != len(tensors[node.tensor].axes):
             _fail(where, f"reads {node.tensor} with the wrong rank")
-        if tuple(i.axis for i in node.index if i.axis is not None) != node.axes:
+        if load_axes(node.index, list(axes)) != node.axes:
             _fail(where, f"load of {node.tensor} disagrees with its index")
+        for index in node.index:
+            if index.index is not None:
+                _verify_index(index.index, axes, tensors, bound, where)
     elif isinstance(node, ir.Var) and node.name not in bound:
         _fail(where, f"variable {node.name} is not bound")
     elif isinstance(node, ir.Prev) and not in_scan:
@@ -82,6 +86,24 @@ def _verify_node(node: ir.Node, axes: dict, tensors: dict, defined: set[str], bo
     for child in ir.children(node):
         child_scan = in_scan or (isinstance(node, ir.Scan) and child is node.body)
         _verify_node(child, axes, tensors, defined, inner_bound, child_scan, where)
+
+
+def _verify_index(index: sympy.Expr, axes: dict, tensors: dict, bound: set[str], where: str) -> None:
+    """An index expression reads positions of declared axes, bound sum indices, integer scalar inputs and
+    call-time sizes, and is an integer."""
+    for symbol in index.free_symbols:
+        name = getattr(symbol, "name", "")
+        if isinstance(symbol, Position):
+            ok = name in axes
+        elif symbol.is_positive:
+            ok = any(symbol in a.size.free_symbols for a in axes.values())
+        else:
+            t = tensors.get(name)
+            ok = name in bound or (t is not None and t.role == "in" and not t.axes and t.dtype in ("i32", "i64"))
+        if not ok:
+            _fail(where, f"index {index} reads {name}, which is no position, sum index, integer scalar or size")
+    if not integer_valued(index):
+        _fail(where, f"index {index} is not an integer")
 
 
 def verify_basis(basis: ir.Basis) -> None:

@@ -185,3 +185,42 @@ def test_grouped_heads_with_a_window_padding_and_alibi_match_float64(tmp_path):
     assert {r.quantity for r in rows} == {"O", "dQ", "dK", "dV", "dslope"}
     for row in rows:
         assert row.ok, row
+
+
+def test_a_masked_row_whose_first_scores_lie_far_below_zero_is_not_lost_to_underflow(tmp_path):
+    """Query 0 sees every key, queries 1.. only keys from 40 on, so the first key block of their tile shows them none;
+    their visible scores all lie near -1200. Their running max must stay -inf until they see a key (a stand-in 0
+    would make every exp(s - 0) underflow, z = 0, and the row a wrong "masked" 0): output and gradients against the
+    float64 formula."""
+    path = tmp_path / "late_keys.ncd"
+    path.write_text("""spec late_keys
+axis batch, head, query, key
+axis dim = 16
+in  Q[batch head query dim] : f32
+in  K[batch head key dim]   : f32
+in  V[batch head key dim]   : f32
+in  first[batch query] : i32
+S[batch head query key] = Q . K over dim
+A[batch head query key] = normalize(S, over key, a1(x) = exp(x), a2(x) = exp(x), b(z) = z, mask = key >= first)
+out O[batch head query dim] = A . V over key
+""")
+    op = ncd.load(path, cache_dir=tmp_path / "cache")
+    g = torch.Generator().manual_seed(3)
+    n_q, n_k = 5, 70
+    q = torch.randn(1, 1, 1, 16, generator=g).expand(1, 1, n_q, 16).contiguous()
+    k = -1200 * q[:, :, :1] / q[:, :, :1].norm() ** 2 + 0.05 * torch.randn(1, 1, n_k, 16, generator=g)
+    v = torch.randn(1, 1, n_k, 16, generator=g)
+    first = torch.tensor([[0, 40, 40, 40, 40]], dtype=torch.int32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = op(*leaves, first)
+    visible = torch.arange(n_k)[None, :] >= first[0][:, None]
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    s = (exact[0] @ exact[1].transpose(-1, -2)).masked_fill(~visible, -torch.inf)
+    want = torch.softmax(s, -1) @ exact[2]
+    assert want[0, 0, 1:].abs().max() > 0.1 and s[0, 0, 1:].max() < -500
+    assert (out.double() - want).abs().max() < 1e-4 * want.abs().max()
+    do = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, leaves, do)
+    expected = torch.autograd.grad(want, exact, do.double())
+    for a, e in zip(got, expected, strict=True):  # (fp32 scores near -1200 carry ~1e-4 absolute error: 2e-3)
+        assert ((a.double() - e).norm() / e.norm()) < 2e-3

@@ -53,10 +53,15 @@ class AttentionConfig:
     chunk: int | None = None
     fact_max_head_dim: int = 128
     factorize: str = "auto"
+    # split-K decoding (kernel_decode.py): "auto" (short queries against many keys: kernel_decode.use_decode),
+    # "always" or "never"
+    decode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.factorize not in FACTORIZE_MODES:
             raise ValueError(f"factorize must be one of {', '.join(FACTORIZE_MODES)}, not {self.factorize!r}")
+        if self.decode not in FACTORIZE_MODES:
+            raise ValueError(f"decode must be one of {', '.join(FACTORIZE_MODES)}, not {self.decode!r}")
         if self.chunk is not None and self.chunk not in (16, 32, 64, 128, 256):
             raise ValueError(f"chunk must be None (the platform's) or 16, 32, 64, 128 or 256 keys, not {self.chunk!r}")
         if self.ds_buffer_bytes < 0:

@@ -7,6 +7,10 @@ branch on them resolves at compile time, so each op compiles to the kernels its 
 The generated module of an op (render.py) holds the device functions and an `AttentionKernels`
 (below) that launches these kernels with them.
 
+Widths: q, k (and dQ, dK) are D wide, run at the tile HEAD_DIM (D rounded up to a power of two, at least 16); v, o,
+dO, dV and the forward's accumulator DV wide at the tile HEAD_DIM_V (MLA-style attention: DV != D). Columns past a
+true width load as zeros and are never stored (`_head_columns`, `_value_columns`).
+
 The maths (``s_ij = scale * q_i . k_j``, optional causal mask, optional per-key weight ``w_j``)::
 
     z_i     = sum_j w_j a2(s_ij)
@@ -141,6 +145,18 @@ def _head_columns(HEAD_DIM: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _value_columns(offs_d, d_ok, HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   DV: tl.constexpr):
+    """(offs_dv, dv_ok): the columns of v, o, dO and dV (true width DV, tile HEAD_DIM_V), as `_head_columns`; where
+    they are as wide as q and k, the same values as theirs (offs_d, d_ok), so that those kernels compile as before
+    value widths of their own existed."""
+    if HEAD_DIM_V == HEAD_DIM and DV == D:
+        return offs_d, d_ok
+    else:
+        return _head_columns(HEAD_DIM_V, DV)
+
+
+@triton.jit
 def _head(X, off_b, off_h, stride_b, stride_h):
     """X advanced to batch off_b, head off_h (int64 offsets: a whole tensor may pass 2^31 elements)."""
     return X + off_b.to(tl.int64) * stride_b + off_h.to(tl.int64) * stride_h
@@ -246,34 +262,37 @@ def _key_weight(w_base, offs_n, in_k, stride_wn, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd, start_n, offs_n, in_k, offs_d, d_ok, off_b,
-             off_hk, MASKED: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """(k, v) of the key block at start_n. k_src, v_src: TMA descriptors of K, V (rows past N_K read as zeros) when
-    TMA, else pointers at the head; MASKED blocks reach past N_K."""
+def _load_kv(k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd, start_n, offs_n, in_k, offs_d, d_ok, offs_dv,
+             dv_ok, off_b, off_hk, MASKED: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+    """(k, v) of the key block at start_n ([BLOCK_N, HEAD_DIM] and [BLOCK_N, HEAD_DIM_V]). k_src, v_src: TMA
+    descriptors of K, V (rows past N_K read as zeros) when TMA, else pointers at the head; MASKED blocks reach past
+    N_K."""
     if TMA:
         k = k_src.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        v = v_src.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = v_src.load([off_b, off_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_V)
     else:
         k_ptrs = k_src + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = v_src + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        v_ptrs = v_src + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
         if MASKED:
             k = tl.load(k_ptrs, mask=in_k[:, None] & d_ok, other=0.0)
-            v = tl.load(v_ptrs, mask=in_k[:, None] & d_ok, other=0.0)
+            v = tl.load(v_ptrs, mask=in_k[:, None] & dv_ok, other=0.0)
         else:
             k = tl.load(k_ptrs, mask=d_ok, other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok, other=0.0)
+            v = tl.load(v_ptrs, mask=dv_ok, other=0.0)
     return k, v
 
 
 @triton.jit
-def _load_key_block(K, V, W, off_b, off_hk, offs_n, offs_d, d_ok, in_k,
+def _load_key_block(K, V, W, off_b, off_hk, offs_n, offs_d, d_ok, offs_dv, dv_ok, in_k,
                     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                     stride_wb, stride_wn, HAS_WEIGHT: tl.constexpr):
-    """(k, v, w) of one key block ([BLOCK_N, HEAD_DIM] tiles; w: the per-key weights, or 1.0 without)."""
+    """(k, v, w) of one key block ([BLOCK_N, HEAD_DIM] and [BLOCK_N, HEAD_DIM_V] tiles; w: the per-key weights, or
+    1.0 without)."""
     k_base = _head(K, off_b, off_hk, stride_kb, stride_kh)
     v_base = _head(V, off_b, off_hk, stride_vb, stride_vh)
     k = _load_rows(k_base, offs_n, stride_kn, stride_kd, offs_d, in_k, d_ok)
-    v = _load_rows(v_base, offs_n, stride_vn, stride_vd, offs_d, in_k, d_ok)
+    v = _load_rows(v_base, offs_n, stride_vn, stride_vd, offs_dv, in_k, dv_ok)
     if HAS_WEIGHT:
         w = tl.load(W + off_b.to(tl.int64) * stride_wb + offs_n * stride_wn, mask=in_k, other=0.0)
     else:
@@ -282,12 +301,12 @@ def _load_key_block(K, V, W, off_b, off_hk, offs_n, offs_d, d_ok, in_k,
 
 
 @triton.jit
-def _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, in_k,
+def _store_key_block(DK, DV_GRAD, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, offs_dv, dv_ok, in_k,
                      stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd):
     dk_base = _head(DK, off_b, off_hk, stride_dkb, stride_dkh)
-    dv_base = _head(DV, off_b, off_hk, stride_dvb, stride_dvh)
+    dv_base = _head(DV_GRAD, off_b, off_hk, stride_dvb, stride_dvh)
     _store_rows(dk_base, dk, offs_n, stride_dkn, stride_dkd, offs_d, in_k, d_ok)
-    _store_rows(dv_base, dv, offs_n, stride_dvn, stride_dvd, offs_d, in_k, d_ok)
+    _store_rows(dv_base, dv, offs_n, stride_dvn, stride_dvd, offs_dv, in_k, dv_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,9 +317,9 @@ def _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, in_k,
 @triton.jit
 def _fwd_block(
     acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_wn,
-    start_n, offs_m, offs_d, d_ok, N_K, scale, qk_scale, off_b, off_hk, off_h, C,
-    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-    NEG_SCALE: tl.constexpr, UNIT_SCALE: tl.constexpr, TMA: tl.constexpr, S: tl.constexpr,
+    start_n, offs_m, offs_d, d_ok, offs_dv, dv_ok, N_K, scale, qk_scale, off_b, off_hk, off_h, C,
+    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    PRECISION: tl.constexpr, NEG_SCALE: tl.constexpr, UNIT_SCALE: tl.constexpr, TMA: tl.constexpr, S: tl.constexpr,
 ):
     """Accumulate the key block at start_n into (acc, z, m); MASKED blocks apply the bounds (and causal, or the
     spec's) masks. qk_scale = scale * log2(e) (EXP2). With HAS_MASK a row may have seen no key yet (m = -inf):
@@ -309,7 +328,7 @@ def _fwd_block(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_k = offs_n < N_K
     k, v = _load_kv(k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd, start_n, offs_n, in_k, offs_d, d_ok,
-                    off_b, off_hk, MASKED, TMA, BLOCK_N, HEAD_DIM)
+                    offs_dv, dv_ok, off_b, off_hk, MASKED, TMA, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
     if S.EXP2:
         qk = _dot(q, tl.trans(k), None, PRECISION)  # scaled below, in base-2 units
     else:
@@ -332,18 +351,20 @@ def _fwd_block(
         if MASKED:
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(qk, 1))
-            if S.HAS_MASK:
-                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_new[:, None])
+            m_use = m_new
+            if S.HAS_MASK:  # a row that has seen no key keeps m = -inf (not 0: its first scores may lie below -87,
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # where exp(s - 0) underflows); 0 stands in
+            p = tl.math.exp2(qk - m_use[:, None])
         else:
             if NEG_SCALE:
                 m_new = tl.maximum(m, tl.min(qk, 1) * qk_scale)
             else:
                 m_new = tl.maximum(m, tl.max(qk, 1) * qk_scale)
+            m_use = m_new
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         # (FA3's lazy rescale -- skip this when no row max grew by more than 2^8 -- measured 5-12% slower here:
         # the block-uniform branch stops the loop's software pipelining; H100, 2026-11-21)
-        alpha = tl.math.exp2(m - m_new)
+        alpha = tl.math.exp2(m - m_use)
         acc = acc * alpha[:, None]
         m = m_new
         if S.HAS_WEIGHT:
@@ -355,14 +376,15 @@ def _fwd_block(
             # running row max: evaluate the maps at s - m, rescale what was accumulated so far
             if MASKED:
                 m_new = tl.maximum(m, tl.max(tl.where(visible, s, float("-inf")), 1))
-                if S.HAS_MASK:
-                    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
             else:
                 m_new = tl.maximum(m, tl.max(s, 1))
-            acc = acc * S.A1(m - m_new)[:, None]
-            z = z * S.A2(m - m_new)
+            m_use = m_new
+            if S.HAS_MASK:  # as above: m stays -inf until the row sees a key, the maps take 0 in its place
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            acc = acc * S.A1(m - m_use)[:, None]
+            z = z * S.A2(m - m_use)
             m = m_new
-            x = s - m[:, None]
+            x = s - m_use[:, None]
         else:
             x = s
         p1 = S.A1(x)
@@ -388,23 +410,24 @@ def _fwd_block(
 def _fwd_inner(
     acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_wn,
     offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk, off_h, C,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
-    NEG_SCALE: tl.constexpr, UNIT_SCALE: tl.constexpr, TMA: tl.constexpr, S: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV: tl.constexpr,
+    PRECISION: tl.constexpr, NEG_SCALE: tl.constexpr, UNIT_SCALE: tl.constexpr, TMA: tl.constexpr, S: tl.constexpr,
 ):
     """Accumulate key blocks [lo, full_end) (no mask) and [full_end, hi) (masked) into (acc, z, m).
     k_src, v_src: TMA descriptors of K, V when TMA, else pointers at the head."""
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
     qk_scale = scale * LOG2E  # EXP2: s * log2(e) - m2 = (s - m) * log2(e), exp(x) = exp2(x log2 e)
     for start_n in range(lo, full_end, BLOCK_N):
         acc, z, m = _fwd_block(acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               stride_wn, start_n, offs_m, offs_d, d_ok, N_K, scale, qk_scale, off_b, off_hk, off_h,
-                               C, False,
-                               BLOCK_N, HEAD_DIM, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
+                               stride_wn, start_n, offs_m, offs_d, d_ok, offs_dv, dv_ok, N_K, scale, qk_scale, off_b,
+                               off_hk, off_h, C, False,
+                               BLOCK_N, HEAD_DIM, HEAD_DIM_V, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
     for start_n in range(full_end, hi, BLOCK_N):
         acc, z, m = _fwd_block(acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                               stride_wn, start_n, offs_m, offs_d, d_ok, N_K, scale, qk_scale, off_b, off_hk, off_h,
-                               C, True,
-                               BLOCK_N, HEAD_DIM, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
+                               stride_wn, start_n, offs_m, offs_d, d_ok, offs_dv, dv_ok, N_K, scale, qk_scale, off_b,
+                               off_hk, off_h, C, True,
+                               BLOCK_N, HEAD_DIM, HEAD_DIM_V, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
     return acc, z, m
 
 
@@ -417,7 +440,7 @@ def fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_wb, stride_wn,
     scale, HQ, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK, C, G,
-    HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr,
     NEG_SCALE: tl.constexpr, UNIT_SCALE: tl.constexpr, TMA: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
@@ -429,12 +452,13 @@ def fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
     """One program per (query block, batch * query head); loops over key blocks. Q, K, V, O are TMA
-    descriptors of the [B, H, N, D] tensors when TMA, else pointers."""
+    descriptors of the [B, H, N, D] tensors (V, O: [B, H, N, DV]) when TMA, else pointers."""
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
                            HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
     bh, off_b, off_h, off_hk, start_m, offs_m = _query_block_program(HQ, GROUP, BLOCK_M, CAUSAL, HEADS_FAST)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
     in_q = offs_m < N_Q
 
     w_base = W + off_b.to(tl.int64) * stride_wb
@@ -447,7 +471,7 @@ def fwd_kernel(
         v_src = _head(V, off_b, off_hk, stride_vb, stride_vh)
         q = _load_rows(q_base, offs_m, stride_qm, stride_qd, offs_d, in_q, d_ok)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     z = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ONLINE_MAX:
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -459,28 +483,34 @@ def fwd_kernel(
         start, a, b, end = _segments(lo, full_lo, full_hi, hi, N_K, BLOCK_N)
         acc, z, m = _fwd_inner(acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                stride_wn, offs_m, start, start, a, N_K, scale, off_b, off_hk, off_h, C, BLOCK_N,
-                               HEAD_DIM, D, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
+                               HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
         acc, z, m = _fwd_inner(acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                stride_wn, offs_m, a, b, end, N_K, scale, off_b, off_hk, off_h, C, BLOCK_N, HEAD_DIM,
-                               D, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
+                               D, HEAD_DIM_V, DV, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
         m = tl.where(m == float("-inf"), 0.0, m)  # a row that sees no key: its saved max stays finite
     else:
         full_end, hi = _key_blocks(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
         acc, z, m = _fwd_inner(acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                stride_wn, offs_m, 0, full_end, hi, N_K, scale, off_b, off_hk, off_h, C, BLOCK_N,
-                               HEAD_DIM, D, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
+                               HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, NEG_SCALE, UNIT_SCALE, TMA, S)
 
     o = _finish_rows(acc, z, in_q, B)
     if TMA:  # the bulk store clips rows past N_Q
-        O.store([off_b, off_h, start_m, 0], o.to(O.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+        O.store([off_b, off_h, start_m, 0], o.to(O.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM_V))
     else:
-        _store_rows(_head(O, off_b, off_h, stride_ob, stride_oh), o, offs_m, stride_om, stride_od, offs_d, in_q, d_ok)
-    stat_offs = bh.to(tl.int64) * N_Q + offs_m
-    tl.store(Z + stat_offs, z, mask=in_q)
+        _store_rows(_head(O, off_b, off_h, stride_ob, stride_oh), o, offs_m, stride_om, stride_od, offs_dv, in_q,
+                    dv_ok)
+    _store_stats(Z, M, bh.to(tl.int64) * N_Q + offs_m, z, m, in_q, EXP2, ONLINE_MAX)
+
+
+@triton.jit
+def _store_stats(Z, M, offs, z, m, ok, EXP2: tl.constexpr, ONLINE_MAX: tl.constexpr):
+    """A forward's saved row statistics: z, and m in natural units (the kernels keep it in base 2 with EXP2)."""
+    tl.store(Z + offs, z, mask=ok)
     if EXP2:
-        tl.store(M + stat_offs, m * LN2, mask=in_q)  # back to natural units
+        tl.store(M + offs, m * LN2, mask=ok)
     elif ONLINE_MAX:
-        tl.store(M + stat_offs, m, mask=in_q)
+        tl.store(M + offs, m, mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,20 +546,25 @@ def bwd_delta_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     HQ, N_Q,
-    HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr,
-    DB_OVER_B: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    ZERO_DQ: tl.constexpr, DB_OVER_B: tl.constexpr, DELTA_IN: tl.constexpr,
 ):
-    """delta for a block of rows, and (ZERO_DQ) those rows of the fp32 dQ accumulator zeroed."""
+    """delta for a block of rows (o, dO: width DV), plus (DELTA_IN) what DELTA holds already (the row statistic's
+    own gradient, runtime.py), and (ZERO_DQ) those rows of the fp32 dQ accumulator (width D, rows of HEAD_DIM)
+    zeroed."""
     bh, off_b, off_h, _, _, offs_m = _query_block_program(HQ, 1, BLOCK_M, False, False)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
     in_q = offs_m < N_Q
     o_base = _head(O, off_b, off_h, stride_ob, stride_oh)
     do_base = _head(DO, off_b, off_h, stride_dob, stride_doh)
-    o = _load_rows(o_base, offs_m, stride_om, stride_od, offs_d, in_q, d_ok)
-    do = _load_rows(do_base, offs_m, stride_dom, stride_dod, offs_d, in_q, d_ok)
+    o = _load_rows(o_base, offs_m, stride_om, stride_od, offs_dv, in_q, dv_ok)
+    do = _load_rows(do_base, offs_m, stride_dom, stride_dod, offs_dv, in_q, dv_ok)
     stat_offs = bh.to(tl.int64) * N_Q + offs_m
     z = tl.load(Z + stat_offs, mask=in_q, other=1.0)
     delta = _row_delta(o, do, z, DB_OVER_B)
+    if DELTA_IN:
+        delta += tl.load(DELTA + stat_offs, mask=in_q, other=0.0)
     tl.store(DELTA + stat_offs, delta, mask=in_q)
     if ZERO_DQ:
         tl.store(DQ_ACC + stat_offs[:, None] * HEAD_DIM + offs_d[None, :],
@@ -600,9 +635,9 @@ def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, i, 
 def _dkdv_block(
     dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base,
     stride_qm, stride_qd, stride_dom, stride_dod,
-    start_m, offs_n, offs_d, d_ok, N_Q, scale, off_b, off_h, C, G,
+    start_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, N_Q, scale, off_b, off_h, C, G,
     MASKED: tl.constexpr, KEY_MASK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr, S: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, S: tl.constexpr,
 ):
     """Add the query block at start_m's share to dK, dV of the key block; returns (dk, dv, dS^T in q's dtype, offs_m,
     in_q). MASKED: the block straddles the causal diagonal; KEY_MASK: keys past N_K get dS = 0 (their zero K rows
@@ -612,10 +647,10 @@ def _dkdv_block(
     # rows past N_Q load as zeros (and z = 1), so they contribute nothing
     if TMA:
         q = q_base.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-        do = do_base.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+        do = do_base.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM_V)
     else:
         q = _load_rows(q_base, offs_m, stride_qm, stride_qd, offs_d, in_q, d_ok)
-        do = _load_rows(do_base, offs_m, stride_dom, stride_dod, offs_d, in_q, d_ok)
+        do = _load_rows(do_base, offs_m, stride_dom, stride_dod, offs_dv, in_q, dv_ok)
     inv_b = _inv_b(tl.load(z_base + offs_m, mask=in_q, other=1.0), S.B)
     delta = tl.load(delta_base + offs_m, mask=in_q, other=0.0)
     p1_t, ds_t, s_t, dmod_t = _score_grads(k, q, v, do, inv_b, delta, 0.0, m_base, offs_m, in_q, scale,
@@ -662,28 +697,30 @@ def _bwd_dkdv_inner(
     dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base,
     stride_qm, stride_qd, stride_dom, stride_dod,
     start_n, lo, diag_end, hi, N_Q, N_K, scale, off_b, off_h, ds_dst, bh, stride_dsn, C, G,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr, DS_BULK: tl.constexpr, S: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    DV: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr, DS_BULK: tl.constexpr,
+    S: tl.constexpr,
 ):
     """dK, dV of the key block at start_n over the query blocks [lo, diag_end) (causal, or the spec's mask: masked)
     and [diag_end, hi) of one query head. STORE_DS: each dS^T tile (masked entries 0) also goes to ds_dst
     (`_store_ds`)."""
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if S.CAUSAL or S.HAS_MASK:
         for start_m in range(lo, diag_end, BLOCK_M):
             dk, dv, ds_t, offs_m, in_q = _dkdv_block(
                 dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base, stride_qm, stride_qd,
-                stride_dom, stride_dod, start_m, offs_n, offs_d, d_ok, N_Q, scale, off_b, off_h, C, G, True, False,
-                BLOCK_M, HEAD_DIM, PRECISION, TMA, S)
+                stride_dom, stride_dod, start_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, N_Q, scale, off_b, off_h, C, G,
+                True, False, BLOCK_M, HEAD_DIM, HEAD_DIM_V, PRECISION, TMA, S)
             if STORE_DS:
                 _store_ds(ds_dst, ds_t, bh, start_n, start_m, offs_n, offs_m, in_q, stride_dsn, N_K, BLOCK_N, BLOCK_M,
                           DS_BULK)
     for start_m in range(diag_end, hi, BLOCK_M):
         dk, dv, ds_t, offs_m, in_q = _dkdv_block(
             dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base, stride_qm, stride_qd,
-            stride_dom, stride_dod, start_m, offs_n, offs_d, d_ok, N_Q, scale, off_b, off_h, C, G, False, False,
-            BLOCK_M, HEAD_DIM, PRECISION, TMA, S)
+            stride_dom, stride_dod, start_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, N_Q, scale, off_b, off_h, C, G,
+            False, False, BLOCK_M, HEAD_DIM, HEAD_DIM_V, PRECISION, TMA, S)
         if STORE_DS:
             _store_ds(ds_dst, ds_t, bh, start_n, start_m, offs_n, offs_m, in_q, stride_dsn, N_K, BLOCK_N, BLOCK_M,
                       DS_BULK)
@@ -692,7 +729,7 @@ def _bwd_dkdv_inner(
 
 @triton.jit
 def bwd_dkdv_kernel(
-    Q, K, V, W, DO, Z, M, DELTA, DK, DV, DS,
+    Q, K, V, W, DO, Z, M, DELTA, DK, DV_GRAD, DS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -701,7 +738,7 @@ def bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_wb, stride_wn, stride_dsn,
     scale, HQ, HKV, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK, C, G,
-    HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr,
     TMA: tl.constexpr, STORE_DS: tl.constexpr, DS_BULK: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
@@ -719,11 +756,13 @@ def bwd_dkdv_kernel(
                            HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
     _, off_b, off_hk, _, start_n, offs_n = _key_block_program(HKV, BLOCK_N, HEADS_FAST)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
     in_k = offs_n < N_K
-    k, v, w = _load_key_block(K, V, W, off_b, off_hk, offs_n, offs_d, d_ok, in_k, stride_kb, stride_kh, stride_kn,
-                              stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_wb, stride_wn, HAS_WEIGHT)
+    k, v, w = _load_key_block(K, V, W, off_b, off_hk, offs_n, offs_d, d_ok, offs_dv, dv_ok, in_k, stride_kb,
+                              stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_wb,
+                              stride_wn, HAS_WEIGHT)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     lo, diag_end = _query_blocks(start_n, N_Q, BLOCK_M, BLOCK_N, CAUSAL)
     for g in range(GROUP):
         off_h, bh, q_base, do_base, stat_base = _query_head(Q, DO, off_b, off_hk, g, stride_qb, stride_qh, stride_dob,
@@ -738,23 +777,25 @@ def bwd_dkdv_kernel(
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, start_n, start, a, b, N_Q, N_K, scale, off_b, off_h,
-                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, TMA, STORE_DS, DS_BULK, S,
+                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, STORE_DS,
+                DS_BULK, S,
             )
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, start_n, b, end, end, N_Q, N_K, scale, off_b, off_h,
-                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, TMA, STORE_DS, DS_BULK, S,
+                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, STORE_DS,
+                DS_BULK, S,
             )
         else:
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, start_n, lo, diag_end, N_Q, N_Q, N_K, scale, off_b,
-                off_h, ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, TMA, STORE_DS,
-                DS_BULK, S,
+                off_h, ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA,
+                STORE_DS, DS_BULK, S,
             )
     dk = dk * scale
-    _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, in_k, stride_dkb, stride_dkh, stride_dkn,
-                     stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd)
+    _store_key_block(DK, DV_GRAD, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, offs_dv, dv_ok, in_k, stride_dkb,
+                     stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -765,16 +806,16 @@ def bwd_dkdv_kernel(
 @triton.jit
 def _dq_block(
     dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_wn,
-    start_n, offs_m, offs_d, d_ok, N_K, scale, off_b, off_hk, off_h, C,
-    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-    TMA: tl.constexpr, S: tl.constexpr,
+    start_n, offs_m, offs_d, d_ok, offs_dv, dv_ok, N_K, scale, off_b, off_hk, off_h, C,
+    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr, S: tl.constexpr,
 ):
     """Add the key block at start_n's share to dQ; MASKED blocks apply the bounds (and causal, or the spec's)
     masks."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_k = offs_n < N_K
     k, v = _load_kv(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_n, offs_n, in_k, offs_d, d_ok,
-                    off_b, off_hk, MASKED, TMA, BLOCK_N, HEAD_DIM)
+                    offs_dv, dv_ok, off_b, off_hk, MASKED, TMA, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
     _, ds, _, dmod = _score_grads(q, k, do, v, inv_b, delta, m, 0, 0, 0, scale, offs_m[:, None], offs_n[None, :],
                                   off_b, off_h, C, PRECISION, False, S)
     if S.HAS_WEIGHT:
@@ -796,20 +837,21 @@ def _bwd_dq_inner(
     dq, q, do, m, inv_b, delta, k_base, v_base, w_base,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_wn,
     offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk, off_h, C,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    S: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr, S: tl.constexpr,
 ):
     """dQ over key blocks [lo, full_end) (no mask) and [full_end, hi) (masked). k_base, v_base: descriptors of K, V
     when TMA, else pointers at the head."""
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
     for start_n in range(lo, full_end, BLOCK_N):
         dq = _dq_block(dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       stride_wn, start_n, offs_m, offs_d, d_ok, N_K, scale, off_b, off_hk, off_h, C, False, BLOCK_N,
-                       HEAD_DIM, PRECISION, TMA, S)
+                       stride_wn, start_n, offs_m, offs_d, d_ok, offs_dv, dv_ok, N_K, scale, off_b, off_hk, off_h, C,
+                       False, BLOCK_N, HEAD_DIM, HEAD_DIM_V, PRECISION, TMA, S)
     for start_n in range(full_end, hi, BLOCK_N):
         dq = _dq_block(dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       stride_wn, start_n, offs_m, offs_d, d_ok, N_K, scale, off_b, off_hk, off_h, C, True, BLOCK_N,
-                       HEAD_DIM, PRECISION, TMA, S)
+                       stride_wn, start_n, offs_m, offs_d, d_ok, offs_dv, dv_ok, N_K, scale, off_b, off_hk, off_h, C,
+                       True, BLOCK_N, HEAD_DIM, HEAD_DIM_V, PRECISION, TMA, S)
     return dq
 
 
@@ -824,14 +866,15 @@ def bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_wb, stride_wn,
     scale, HQ, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK, C, G,
-    HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
     SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
     KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_SCORE_GRADS: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr, DELTA_IN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
@@ -839,6 +882,7 @@ def bwd_dq_kernel(
                            HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
     bh, off_b, off_h, off_hk, start_m, offs_m = _query_block_program(HQ, GROUP, BLOCK_M, CAUSAL, HEADS_FAST)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
     in_q = offs_m < N_Q
 
     q_base = _head(Q, off_b, off_h, stride_qb, stride_qh)
@@ -850,14 +894,16 @@ def bwd_dq_kernel(
         v_base = _head(V, off_b, off_hk, stride_vb, stride_vh)
     w_base = W + off_b.to(tl.int64) * stride_wb
     q = _load_rows(q_base, offs_m, stride_qm, stride_qd, offs_d, in_q, d_ok)
-    do = _load_rows(do_base, offs_m, stride_dom, stride_dod, offs_d, in_q, d_ok)
-    o = _load_rows(_head(O, off_b, off_h, stride_ob, stride_oh), offs_m, stride_om, stride_od, offs_d, in_q, d_ok)
+    do = _load_rows(do_base, offs_m, stride_dom, stride_dod, offs_dv, in_q, dv_ok)
+    o = _load_rows(_head(O, off_b, off_h, stride_ob, stride_oh), offs_m, stride_om, stride_od, offs_dv, in_q, dv_ok)
     stat_offs = bh.to(tl.int64) * N_Q + offs_m
     z = tl.load(Z + stat_offs, mask=in_q, other=1.0)
     inv_b = _inv_b(z, B)
     # delta here rather than in a kernel of its own: this kernel runs first and already reads dO, so O is
     # the only extra read, and the dK/dV kernel after it takes delta from DELTA
     delta = _row_delta(o, do, z, DB_OVER_B)
+    if DELTA_IN:  # the row statistic's own gradient (runtime.py: the op's second output)
+        delta += tl.load(DELTA + stat_offs, mask=in_q, other=0.0)
     tl.store(DELTA + stat_offs, delta, mask=in_q)
     if EXP2:
         m = tl.load(M + stat_offs, mask=in_q, other=0.0) * LOG2E
@@ -872,15 +918,15 @@ def bwd_dq_kernel(
         start, a, b, end = _segments(lo, full_lo, full_hi, hi, N_K, BLOCK_N)
         dq = _bwd_dq_inner(dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn,
                            stride_vd, stride_wn, offs_m, start, start, a, N_K, scale, off_b, off_hk, off_h, C, BLOCK_N,
-                           HEAD_DIM, D, PRECISION, TMA, S)
+                           HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, S)
         dq = _bwd_dq_inner(dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn,
                            stride_vd, stride_wn, offs_m, a, b, end, N_K, scale, off_b, off_hk, off_h, C, BLOCK_N,
-                           HEAD_DIM, D, PRECISION, TMA, S)
+                           HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, S)
     else:
         full_end, hi = _key_blocks(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
         dq = _bwd_dq_inner(dq, q, do, m, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn,
                            stride_vd, stride_wn, offs_m, 0, full_end, hi, N_K, scale, off_b, off_hk, off_h, C,
-                           BLOCK_N, HEAD_DIM, D, PRECISION, TMA, S)
+                           BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, S)
     dq = dq * scale
     _store_rows(_head(DQ, off_b, off_h, stride_dqb, stride_dqh), dq, offs_m, stride_dqm, stride_dqd, offs_d, in_q, d_ok)
 
@@ -970,18 +1016,19 @@ def _bwd_fused_inner(
     stride_qm, stride_qd, stride_dom, stride_dod,
     offs_n, lo, n_steps, rot, N_Q, scale, off_b, off_h, C, G,
     MASKED: tl.constexpr, KEY_MASK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
-    PRECISION: tl.constexpr, S: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr, S: tl.constexpr,
 ):
     """Query blocks lo + ((i + rot) mod n_steps) * BLOCK_M for i < n_steps (rot staggers the programs
     of one head so that their atomics do not hit the same dQ rows at the same time)."""
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
     for i in range(n_steps):
         start_m = lo + (i + rot) % n_steps * BLOCK_M
         start_m = tl.multiple_of(start_m, BLOCK_M)
         dk, dv, ds_c, offs_m, in_q = _dkdv_block(
             dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base, stride_qm, stride_qd, stride_dom,
-            stride_dod, start_m, offs_n, offs_d, d_ok, N_Q, scale, off_b, off_h, C, G, MASKED, KEY_MASK, BLOCK_M,
-            HEAD_DIM, PRECISION, False, S)
+            stride_dod, start_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, N_Q, scale, off_b, off_h, C, G, MASKED,
+            KEY_MASK, BLOCK_M, HEAD_DIM, HEAD_DIM_V, PRECISION, False, S)
         dq = _dot(tl.trans(ds_c), k, None, PRECISION)  # [BLOCK_M, HEAD_DIM]
         tl.atomic_add(dqa_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], dq, mask=in_q[:, None] & d_ok,
                       sem="relaxed")
@@ -994,7 +1041,7 @@ def _bwd_fused_heads(
     stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
     start_n, HQ, GROUP, N_Q, scale, C, G,
     KEY_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
-    PRECISION: tl.constexpr, S: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr, S: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if S.HAS_MASK:
@@ -1015,41 +1062,41 @@ def _bwd_fused_heads(
             dk, dv = _bwd_fused_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, Z + stat_base, M + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, offs_n, start, (a - start) // BLOCK_M, 0, N_Q, scale,
-                off_b, off_h, C, G, True, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
+                off_b, off_h, C, G, True, KEY_MASK, BLOCK_M, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, S,
             )
             dk, dv = _bwd_fused_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, Z + stat_base, M + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, offs_n, a, (b - a) // BLOCK_M, 0, N_Q, scale,
-                off_b, off_h, C, G, False, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
+                off_b, off_h, C, G, False, KEY_MASK, BLOCK_M, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, S,
             )
             dk, dv = _bwd_fused_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, Z + stat_base, M + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, offs_n, b, (end - b) // BLOCK_M, 0, N_Q, scale,
-                off_b, off_h, C, G, True, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
+                off_b, off_h, C, G, True, KEY_MASK, BLOCK_M, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, S,
             )
         elif S.CAUSAL:
             dk, dv = _bwd_fused_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, Z + stat_base, M + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, offs_n, lo, n_diag, 0, N_Q, scale, off_b, off_h, C, G,
-                True, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
+                True, KEY_MASK, BLOCK_M, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, S,
             )
             dk, dv = _bwd_fused_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, Z + stat_base, M + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, offs_n, diag_end, n_rest, 0, N_Q, scale, off_b, off_h,
-                C, G, False, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
+                C, G, False, KEY_MASK, BLOCK_M, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, S,
             )
         else:
             dk, dv = _bwd_fused_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, dqa_base, Z + stat_base, M + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, offs_n, 0, n_blocks, rot % n_blocks, N_Q, scale,
-                off_b, off_h, C, G, False, KEY_MASK, BLOCK_M, HEAD_DIM, D, PRECISION, S,
+                off_b, off_h, C, G, False, KEY_MASK, BLOCK_M, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, S,
             )
     return dk, dv
 
 
 @triton.jit
 def bwd_fused_kernel(
-    Q, K, V, W, DO, Z, M, DELTA, DK, DV, DQA,
+    Q, K, V, W, DO, Z, M, DELTA, DK, DV_GRAD, DQA,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -1058,7 +1105,7 @@ def bwd_fused_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_wb, stride_wn,
     scale, HQ, HKV, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK, C, G,
-    HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
     SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
@@ -1073,27 +1120,29 @@ def bwd_fused_kernel(
                            HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
     _, off_b, off_hk, pid_n, start_n, offs_n = _key_block_program(HKV, BLOCK_N, HEADS_FAST)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
     in_k = offs_n < N_K
-    k, v, w = _load_key_block(K, V, W, off_b, off_hk, offs_n, offs_d, d_ok, in_k, stride_kb, stride_kh, stride_kn,
-                              stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_wb, stride_wn, HAS_WEIGHT)
+    k, v, w = _load_key_block(K, V, W, off_b, off_hk, offs_n, offs_d, d_ok, offs_dv, dv_ok, in_k, stride_kb,
+                              stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_wb,
+                              stride_wn, HAS_WEIGHT)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     # a key block within N_K compiles without the key mask
     if start_n + BLOCK_N <= N_K:
         dk, dv = _bwd_fused_heads(
             dk, dv, k, v, w, in_k, Q, DO, DQA, Z, M, DELTA, off_b, off_hk, pid_n,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-            start_n, HQ, GROUP, N_Q, scale, C, G, False, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, S,
+            start_n, HQ, GROUP, N_Q, scale, C, G, False, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, S,
         )
     else:
         dk, dv = _bwd_fused_heads(
             dk, dv, k, v, w, in_k, Q, DO, DQA, Z, M, DELTA, off_b, off_hk, pid_n,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-            start_n, HQ, GROUP, N_Q, scale, C, G, True, BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, S,
+            start_n, HQ, GROUP, N_Q, scale, C, G, True, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, S,
         )
     dk = dk * scale
-    _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, in_k, stride_dkb, stride_dkh, stride_dkn,
-                     stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd)
+    _store_key_block(DK, DV_GRAD, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, offs_dv, dv_ok, in_k, stride_dkb,
+                     stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd)
 
 
 @triton.jit
@@ -1125,7 +1174,8 @@ def bwd_dw_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     scale, HQ, HKV, GROUP, N_Q, N_K, C,
-    HEAD_DIM: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
     SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
@@ -1136,9 +1186,10 @@ def bwd_dw_kernel(
 ):
     bhk, off_b, off_hk, _, start_n, offs_n = _key_block_program(HKV, BLOCK_N, False)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
+    offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
     in_k = offs_n < N_K
-    k, v, _ = _load_key_block(K, V, K, off_b, off_hk, offs_n, offs_d, d_ok, in_k, stride_kb, stride_kh, stride_kn,
-                              stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, 0, 0, False)
+    k, v, _ = _load_key_block(K, V, K, off_b, off_hk, offs_n, offs_d, d_ok, offs_dv, dv_ok, in_k, stride_kb,
+                              stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, 0, 0, False)
     lo, _ = _query_blocks(start_n, N_Q, BLOCK_M, BLOCK_N, CAUSAL)  # earlier queries see none of these keys
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     for g in range(GROUP):
@@ -1148,7 +1199,7 @@ def bwd_dw_kernel(
             offs_m = start_m + tl.arange(0, BLOCK_M)
             in_q = offs_m < N_Q
             q = _load_rows(q_base, offs_m, stride_qm, stride_qd, offs_d, in_q, d_ok)
-            do = _load_rows(do_base, offs_m, stride_dom, stride_dod, offs_d, in_q, d_ok)
+            do = _load_rows(do_base, offs_m, stride_dom, stride_dod, offs_dv, in_q, dv_ok)
             inv_b = _inv_b(tl.load(Z + stat_base + offs_m, mask=in_q, other=1.0), B)
             delta = tl.load(DELTA + stat_base + offs_m, mask=in_q, other=0.0)
             visible = in_k[:, None] & in_q[None, :]
@@ -1180,6 +1231,8 @@ _TMA_ROWS: dict[str, dict[str, Any]] = {
     "fwd": {"Q": "BLOCK_M", "O": "BLOCK_M", "K": "BLOCK_N", "V": "BLOCK_N"},
     "dkdv": {"Q": "BLOCK_M", "DO": "BLOCK_M", "DS": ("BLOCK_N", "BLOCK_M")},
     "dq": {"K": "BLOCK_N", "V": "BLOCK_N"}, "dq_ds": {"K": "BLOCK_N", "DS": ("BLOCK_N", "BLOCK_M")}}
+# the tile constexpr of each descriptor's columns: v, o and dO are DV wide, q and k D
+_TMA_COLUMNS = {"V": "HEAD_DIM_V", "O": "HEAD_DIM_V", "DO": "HEAD_DIM_V"}
 DELTA_BLOCK_M = 16 if _INTERPRET else 64
 
 
@@ -1209,7 +1262,7 @@ def _tma_hook(kind: str) -> Callable | None:
                 if isinstance(axis, tuple):
                     nargs[name].block_shape = [1, nargs[axis[0]], nargs[axis[1]]]
                 else:
-                    nargs[name].block_shape = [1, 1, nargs[axis], nargs["HEAD_DIM"]]
+                    nargs[name].block_shape = [1, 1, nargs[axis], nargs[_TMA_COLUMNS.get(name, "HEAD_DIM")]]
     return hook
 
 
@@ -1241,6 +1294,7 @@ def _prune(configs: list, named_args: dict, **kwargs: Any) -> list:
 # the spec's maps are in every key (their repr names the op's module, so an on-disk tuning cache keyed by the key's
 # text keeps them apart as well).
 TUNE_KEY = ["HEAD_DIM", "Q_BUCKET", "K_BUCKET", "WORK", "PRECISION"]
+VALUE_KEY = ["HEAD_DIM_V"]  # (the kernels that read v, o or dO: all but the dQ-from-dS one)
 HOOK_KEY = ["A1", "A2", "B", "PRE", "SCORE", "MASK"]
 
 
@@ -1290,7 +1344,8 @@ def tma_ok(*tensors: torch.Tensor, use_tma: bool = True) -> bool:
 
 
 def descriptor(t: torch.Tensor, tma: bool) -> Any:
-    """A TMA descriptor of the [B, H, N, D] tensor t (placeholder tile: the config's pre-hook sets it), or t."""
+    """A TMA descriptor of the [B, H, N, D] (or [B, H, N, DV]) tensor t (placeholder tile, the width t's own: the
+    config's pre-hook sets it), or t."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, head_tile(t.shape[-1])]) if tma else t
 
 
@@ -1344,7 +1399,7 @@ class AttentionKernels:
         self.flags = dict(zip(FLAGS, (causal, has_weight, config.online_max, config.exp2, config.shared_map, has_pre,
                                       has_score, has_mask, has_score_grads), strict=True))
         self.spec = {**self.maps, **self.flags}  # the constexprs every map-evaluating kernel takes
-        key, c = [*TUNE_KEY, *HOOK_KEY], config
+        key, c = [*TUNE_KEY, *VALUE_KEY, *HOOK_KEY], config
         forward_tiles = c.forward_tiles + tuple(t for t in MEASURED_FORWARD_TILES if t not in c.forward_tiles)
         self.fwd_kernel = autotuned(fwd_kernel, tile_configs("fwd", forward_tiles), [*key, "TMA"])
         self.bwd_dkdv_kernel = autotuned(bwd_dkdv_kernel, tile_configs("dkdv", c.dkdv_tiles),
@@ -1373,11 +1428,13 @@ class AttentionKernels:
         return self.config.fp32_precision if dtype == torch.float32 else self.config.low_precision
 
     def shapes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None) -> tuple:
+        """(batch, query heads, kv heads, N_Q, N_K, D) of q, k [B, H, N, D] and v [B, H, N, DV] (DV, the value
+        width, may differ from D: `value_dim`)."""
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-            raise ValueError("q, k, v must be [B, H, N, D]")
+            raise ValueError("q, k must be [B, H, N, D] and v [B, H, N, DV]")
         batch, hq, n_q, head_dim = q.shape
         hkv, n_k = k.shape[1], k.shape[2]
-        if tuple(v.shape) != tuple(k.shape) or k.shape[0] != batch or k.shape[3] != head_dim:
+        if tuple(v.shape[:3]) != tuple(k.shape[:3]) or k.shape[0] != batch or k.shape[3] != head_dim:
             raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
         if hq % hkv != 0:
             raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
@@ -1397,14 +1454,17 @@ class AttentionKernels:
         return context or ()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None = None,
-                scale: float | None = None, context: tuple | None = None) -> tuple:
+                scale: float | None = None, context: tuple | None = None, out_dtype: torch.dtype | None = None
+                ) -> tuple:
         """o = attention(q, k, v); returns (o, stats) with stats = (z, m) for the backward (m: None without the
-        running max). context: what the spec's modifier hooks read (modifiers.py), None without."""
+        running max). context: what the spec's modifier hooks read (modifiers.py), None without. out_dtype: o's
+        (default q's; float32 where a sink merges into o after: kernel_sink.py)."""
         context = self._context(context)
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
+        value_dim = v.shape[3]
         scale = head_dim**-0.5 if scale is None else float(scale)
         online_max = self.config.online_max
-        o = self.new((batch, hq, n_q, head_dim), q.dtype, q.device)
+        o = self.new((batch, hq, n_q, value_dim), out_dtype or q.dtype, q.device)
         z = self.new((batch, hq, n_q), torch.float32, q.device)
         m = self.new((batch, hq, n_q), torch.float32, q.device) if online_max else None
         w_arg, w_strides = weight_arg(w, q)
@@ -1412,24 +1472,28 @@ class AttentionKernels:
         def grid(meta: dict) -> tuple:
             return grid_order(triton.cdiv(n_q, meta["BLOCK_M"]), batch * hq, meta)
 
-        tma = self.tma_ok(q, k, v, o)
+        tma = self.tma_ok(q, k, v, o) and o.dtype == q.dtype  # (an fp32 o's tile would not fit the bulk store)
         srcs = [descriptor(t, tma) for t in (q, k, v, o)]
         fast(self.fwd_kernel)[grid](
             srcs[0], srcs[1], srcs[2], w_arg, srcs[3], z, m if m is not None else z,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *w_strides,
             scale, hq, hq // hkv, n_q, n_k, bucket(n_q), bucket(n_k), bucket(batch * hq), context, (),
-            HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), NEG_SCALE=scale < 0,
+            HEAD_DIM=head_tile(head_dim), D=head_dim, HEAD_DIM_V=head_tile(value_dim), DV=value_dim,
+            PRECISION=self.precision(q.dtype), NEG_SCALE=scale < 0,
             UNIT_SCALE=scale == 1.0, TMA=tma, **self.spec,
         )
         return o, (z, m)
 
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                  stats: tuple, w: torch.Tensor | None = None, scale: float | None = None,
-                 context: tuple | None = None, grads: tuple = ()) -> tuple:
+                 context: tuple | None = None, grads: tuple = (), delta_in: torch.Tensor | None = None) -> tuple:
         """Gradients (dq, dk, dv) of <do, o>; stats as returned by forward. grads: the fp32 buffers (and strides)
-        into which the dK/dV kernels add the modifier tensors' gradients (modifiers.py), zeroed by the caller."""
+        into which the dK/dV kernels add the modifier tensors' gradients (modifiers.py), zeroed by the caller.
+        delta_in: fp32 [B, H, N_Q] added to each row's delta (the row statistic's gradient: runtime.py)."""
         context = self._context(context)
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
+        value_dim = v.shape[3]
+        widths = {"HEAD_DIM": head_tile(head_dim), "D": head_dim, "HEAD_DIM_V": head_tile(value_dim), "DV": value_dim}
         scale = head_dim**-0.5 if scale is None else float(scale)
         z, m = stats
         m_arg = m if self.config.online_max else z
@@ -1440,7 +1504,7 @@ class AttentionKernels:
             do = do.to(q.dtype)
         sizes = (scale, hq, hkv, hq // hkv, n_q, n_k, bucket(n_q), bucket(n_k), bucket(batch * hq), context, grads)
 
-        delta = self.new((batch, hq, n_q), torch.float32, q.device)
+        delta = self.new((batch, hq, n_q), torch.float32, q.device) if delta_in is None else delta_in.clone()
         dk = self.new(k.shape, k.dtype, k.device)
         dv = self.new(v.shape, v.dtype, v.device)
 
@@ -1458,18 +1522,18 @@ class AttentionKernels:
             fast(self.bwd_dkdv_kernel)[grid_dkdv](
                 descriptor(q, tma), k, v, w_arg, descriptor(do, tma), z, m_arg, delta, dk, dv, ds_arg,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *w_strides, row,
-                *sizes, HEAD_DIM=tile, D=head_dim, PRECISION=precision, TMA=tma, STORE_DS=ds is not None,
+                *sizes, **widths, PRECISION=precision, TMA=tma, STORE_DS=ds is not None,
                 DS_BULK=bulk, **self.spec,
             )
 
         if not self.config.deterministic_bwd:
             # fp32 dQ accumulator for the fused kernel, zeroed by the delta kernel
             dq_acc = self.new((batch, hq, n_q, tile), torch.float32, q.device)
-            self.delta(o, do, z, delta, dq_acc)
+            self.delta(o, do, z, delta, dq_acc, head_dim, delta_in is not None)
             fast(self.bwd_fused_kernel)[grid_dkdv](
                 q, k, v, w_arg, do, z, m_arg, delta, dk, dv, dq_acc,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *w_strides,
-                *sizes, HEAD_DIM=tile, D=head_dim, PRECISION=precision, **self.spec,
+                *sizes, **widths, PRECISION=precision, **self.spec,
             )
             dq = self.new(q.shape, q.dtype, q.device)
             fast(bwd_dq_cast_kernel)[(triton.cdiv(n_q, DELTA_BLOCK_M), batch * hq)](
@@ -1488,7 +1552,7 @@ class AttentionKernels:
                 ds = self.new((batch * hq, n_k, row), q.dtype, q.device)
         if ds is not None:
             # delta first, then dK/dV, which stores dS, then dQ = dS K: 5 products per block pair
-            self.delta(o, do, z, delta)
+            self.delta(o, do, z, delta, delta_in=delta_in is not None)
             dkdv_kernel(ds, row)
             tma = self.tma_ok(ds, k)
             fast(self.bwd_dq_ds_kernel)[grid_dq](
@@ -1503,20 +1567,22 @@ class AttentionKernels:
         fast(self.bwd_dq_kernel)[grid_dq](
             q, descriptor(k, tma), descriptor(v, tma), w_arg, o, do, z, m_arg, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *w_strides,
-            scale, hq, hq // hkv, n_q, n_k, *sizes[6:], HEAD_DIM=tile, D=head_dim, PRECISION=precision, TMA=tma,
-            **self.spec,
+            scale, hq, hq // hkv, n_q, n_k, *sizes[6:], **widths, PRECISION=precision, TMA=tma,
+            DELTA_IN=delta_in is not None, **self.spec,
         )
         dkdv_kernel()
         return dq, dk, dv
 
     def delta(self, o: torch.Tensor, do: torch.Tensor, z: torch.Tensor, delta: torch.Tensor,
-              dq_acc: torch.Tensor | None = None) -> None:
-        """delta, and the fp32 dQ accumulator zeroed when one is given."""
-        batch, hq, n_q, head_dim = o.shape
+              dq_acc: torch.Tensor | None = None, head_dim: int | None = None, delta_in: bool = False) -> None:
+        """delta (o, do: [B, H, N, DV]), added to what `delta` holds with delta_in, and the fp32 dQ accumulator
+        [B, H, N, head_tile(head_dim)] zeroed when one is given (head_dim: q's width; None: o's)."""
+        batch, hq, n_q, value_dim = o.shape
+        head_dim = value_dim if head_dim is None else head_dim
         fast(bwd_delta_kernel)[(triton.cdiv(n_q, DELTA_BLOCK_M), batch * hq)](
             o, do, z, delta, delta if dq_acc is None else dq_acc, *o.stride(), *do.stride(), hq, n_q,
-            HEAD_DIM=head_tile(head_dim), D=head_dim, BLOCK_M=DELTA_BLOCK_M, ZERO_DQ=dq_acc is not None,
-            DB_OVER_B=self.maps["DB_OVER_B"],
+            HEAD_DIM=head_tile(head_dim), D=head_dim, HEAD_DIM_V=head_tile(value_dim), DV=value_dim,
+            BLOCK_M=DELTA_BLOCK_M, ZERO_DQ=dq_acc is not None, DB_OVER_B=self.maps["DB_OVER_B"], DELTA_IN=delta_in,
         )
 
     def weight_gradient(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
@@ -1537,17 +1603,18 @@ class AttentionKernels:
             q, k, v, do, z, m if m is not None else z, delta, dw,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
             scale, hq, hkv, hq // hkv, n_q, n_k, context,
-            HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), BLOCK_M=block,
-            BLOCK_N=block, num_warps=4, **self.spec,
+            HEAD_DIM=head_tile(head_dim), D=head_dim, HEAD_DIM_V=head_tile(v.shape[3]), DV=v.shape[3],
+            PRECISION=self.precision(q.dtype), BLOCK_M=block, BLOCK_N=block, num_warps=4, **self.spec,
         )
         return dw.sum(1)
 
     def backward_from_saved(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             w: torch.Tensor | None, o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None,
-                            scale: float | None, context: tuple | None = None, grads: tuple = ()) -> tuple:
+                            scale: float | None, context: tuple | None = None, grads: tuple = (),
+                            delta_in: torch.Tensor | None = None) -> tuple:
         """backward() from the tensors `save_for_backward` keeps (m: None, or empty, without the online max)."""
         return self.ns["backward"](do, q, k, v, o, (z, m if self.config.online_max else None), w, scale, context,
-                                   grads)
+                                   grads, delta_in)
 
     def saved_backward(self, ctx: Any, do: torch.Tensor, run: Callable | None = None) -> tuple:
         """Gradients of (q, k, v, w, scale): w's where it needs one (`weight_gradient`); the scale gets none here

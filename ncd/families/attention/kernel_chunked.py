@@ -309,7 +309,7 @@ def fact_fwd_kernel(
         m = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, z, m = _fwd_inner(acc, z, m, q, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                stride_wn, offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk, off_h, (), BLOCK_N,
-                               HEAD_DIM, D, PRECISION, False, UNIT_SCALE, False, S)
+                               HEAD_DIM, D, HEAD_DIM, D, PRECISION, False, UNIT_SCALE, False, S)
     o = _finish_rows(acc, z, in_q, B)
     _store_rows(_head(O, off_b, off_h, stride_ob, stride_oh), o, offs_m, stride_om, stride_od, offs_d, in_q, d_ok)
     tl.store(Z + bh.to(tl.int64) * N_Q + offs_m, z, mask=in_q)
@@ -388,7 +388,7 @@ def fact_dq_kernel(
         full_end = tl.maximum(lo, tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, N_K // BLOCK_N * BLOCK_N))
         dq = _bwd_dq_inner(dq, q, do, 0.0, inv_b, delta, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn,
                            stride_vd, stride_wn, offs_m, lo, full_end, hi, N_K, scale, off_b, off_hk, off_h, (),
-                           BLOCK_N, HEAD_DIM, D, PRECISION, False, S)
+                           BLOCK_N, HEAD_DIM, D, HEAD_DIM, D, PRECISION, False, S)
     dq = dq * scale
     _store_rows(_head(DQ, off_b, off_h, stride_dqb, stride_dqh), dq, offs_m, stride_dqm, stride_dqd, offs_d, in_q, d_ok)
 
@@ -519,8 +519,9 @@ def fact_dkdv_kernel(
     bhk, off_b, off_hk, _, start_n, offs_n = _key_block_program(HKV, BLOCK_N, False)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     in_k = offs_n < N_K
-    k, v, w = _load_key_block(K, V, W, off_b, off_hk, offs_n, offs_d, d_ok, in_k, stride_kb, stride_kh, stride_kn,
-                              stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_wb, stride_wn, HAS_WEIGHT)
+    k, v, w = _load_key_block(K, V, W, off_b, off_hk, offs_n, offs_d, d_ok, offs_d, d_ok, in_k, stride_kb, stride_kh,
+                              stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_wb, stride_wn,
+                              HAS_WEIGHT)
     if CAUSAL:
         t = start_n // CHUNK  # state t: the queries of chunks > t
     else:
@@ -566,16 +567,25 @@ def fact_dkdv_kernel(
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, Z + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, start_n, lo, diag_end, chunk_end, N_Q, N_K, scale,
-                off_b, off_h, DK, 0, 0, (), (), BLOCK_M, BLOCK_N, HEAD_DIM, D, PRECISION, False, False, False, S,
+                off_b, off_h, DK, 0, 0, (), (), BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM, D, PRECISION, False, False,
+                False, S,
             )
     dk = dk * scale
-    _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, in_k, stride_dkb, stride_dkh, stride_dkn,
-                     stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd)
+    _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, offs_d, d_ok, in_k, stride_dkb, stride_dkh,
+                     stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd)
 
 
 # ---------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------
+
+
+def _same_widths(head_dim: int, v: torch.Tensor) -> None:
+    """The factorized form's states are [D, 2D]: V as wide as Q and K (the planner offers the form only to specs
+    whose V width is the head dim's)."""
+    if v.shape[3] != head_dim:
+        raise ValueError(f"the factorized form needs V as wide as Q and K ({head_dim}); got V of width {v.shape[3]}: "
+                         "use the streamed form (NCD_ATTENTION_FACTORIZE=never)")
 
 
 class FactorizedAttentionKernels(AttentionKernels):
@@ -610,6 +620,7 @@ class FactorizedAttentionKernels(AttentionKernels):
                            scale: float | None = None) -> tuple:
         """o as `forward` computes it, by the factorized form; returns (o, (z, h, vec)) for backward_factorized."""
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
+        _same_widths(head_dim, v)
         limit = self.config.fact_max_head_dim
         if head_tile(head_dim) > limit:
             raise ValueError(f"the factorized form runs head dims up to {limit} (its [D, D] states are held "
@@ -652,6 +663,7 @@ class FactorizedAttentionKernels(AttentionKernels):
                             scale: float | None = None) -> tuple:
         """(dq, dk, dv) of <do, o>; stats as returned by forward_factorized."""
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
+        _same_widths(head_dim, v)
         scale = head_dim**-0.5 if scale is None else float(scale)
         z, h, vec = stats
         vec = vec if self.need_vec else h

@@ -33,6 +33,7 @@ from ncd.symbolic import TritonPrinter
 
 # what a hook's index variables stand for: the tensor dimension roles
 BATCH, HEAD, KV_HEAD, GROUP_INDEX, QUERY, KEY = "b", "h", "hk", "g", "i", "j"
+INDEX = "x"  # a dimension read at an index expression (a gather: T5's table[head, clamp(key - query, -R, R) + R])
 _ROLE_TEXT = {BATCH: "b", HEAD: "h", KV_HEAD: "(h // C[2])", GROUP_INDEX: "(h % C[2])", QUERY: "i", KEY: "j"}
 
 
@@ -43,9 +44,16 @@ class UnsupportedModifier(NotStreamable):
 @dataclass(frozen=True)
 class ModTensor:
     name: str
-    roles: tuple[str, ...]  # per declared dimension
+    roles: tuple[str, ...]  # per declared dimension (INDEX: read at an integer expression of positions)
     float: bool  # takes a gradient (a float tensor read by the score)
     in_score: bool
+    index: tuple[str, ...] = ()  # per dimension: the Triton text of its index expression ("" for a role's position)
+    positions: frozenset[str] = frozenset()  # the roles the index expressions read (their bounds mask the load)
+
+    @property
+    def reads(self) -> frozenset[str]:
+        """The positions its value varies with: its dimensions' roles and its index expressions' positions."""
+        return frozenset(self.roles) | self.positions
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,10 @@ class Modifiers:
     layout: tuple[tuple[str, str], ...]  # the context after (N_Q, N_K, GROUP): ("tensor" | "scalar" | "size", name)
     source: str  # the device functions
     description: tuple[str, ...]
+    # call-time range tables (mask_table.py) where a direction has no exact compile-time interval: (the mask reads
+    # the batch, the head); the hooks `_key_bound`, `_query_bound` are then the compile-time bounds the tables'
+    # scan stays inside, and `_key_range`, `_query_range` read the tables at the end of C
+    tables: tuple[bool, bool] | None = None
 
     @property
     def grad_tensors(self) -> tuple[ModTensor, ...]:
@@ -162,22 +174,31 @@ class _Context:
         if tensor.role == "out" or tensor.role == "let":
             raise UnsupportedModifier(load.span, detail=f"a score or mask modifier reads input tensors; "
                                       f"'{load.tensor}' is computed", hint="make it an `in` or `param` tensor")
-        roles = []
+        roles, texts, positions = [], [], set()
         for index in load.index:
+            if index.axis is None and index.index is not None:
+                text, read = self.index_text(index.index, load)
+                roles.append(INDEX)
+                texts.append(text)
+                positions |= read
+                continue
             role = self.roles.get(index.axis or "")
             if role is None:
                 raise UnsupportedModifier(load.span, detail=f"'{load.tensor}' is read over '{index.axis}'; a modifier "
                                           "tensor is indexed by the batch, head, query and key axes only")
             roles.append(role)
+            texts.append("")
         known = self.tensors.get(load.tensor)
         if known is not None:
             mod, slot = known
-            if mod.roles != tuple(roles):
-                raise UnsupportedModifier(load.span, detail=f"'{load.tensor}' is read over two different axis lists")
+            if mod.roles != tuple(roles) or mod.index != tuple(texts):
+                raise UnsupportedModifier(load.span, detail=f"'{load.tensor}' is read at two different indices")
             if in_score and not mod.in_score:
-                self.tensors[load.tensor] = (ModTensor(mod.name, mod.roles, mod.float, True), slot)
+                self.tensors[load.tensor] = (ModTensor(mod.name, mod.roles, mod.float, True, mod.index,
+                                                       mod.positions), slot)
             return self.tensors[load.tensor]
-        mod = ModTensor(load.tensor, tuple(roles), tensor.dtype in FLOAT_DTYPES, in_score)
+        mod = ModTensor(load.tensor, tuple(roles), tensor.dtype in FLOAT_DTYPES, in_score, tuple(texts),
+                        frozenset(positions))
         self.tensors[load.tensor] = (mod, self.slots)
         self.layout.append(("tensor", load.tensor))
         self.slots += 1 + len(roles)
@@ -201,11 +222,33 @@ class _Context:
             self.layout.append(("size", axis))
         return f"C[{self.sizes[axis]}]"
 
+    def index_text(self, index: sympy.Expr, load: ir.Load) -> tuple[str, set[str]]:
+        """An index expression of positions (ncd/index_expr.py, proven inside its axis) as integer Triton text, and
+        the roles it reads. Only exact integer operations: a division or a logarithm in fp32 could pick another
+        entry than the float64 reference."""
+        from ncd.index_expr import Position
+
+        positions = {s: sympy.Symbol(f"pos_{s.name}", integer=True, nonnegative=True)
+                     for s in index.free_symbols if isinstance(s, Position)}
+        if any(isinstance(a, sympy.log | sympy.floor | sympy.ceiling) or (isinstance(a, sympy.Pow) and a.exp < 0)
+               for a in sympy.preorder_traversal(index)) or index.free_symbols - set(positions):
+            raise UnsupportedModifier(load.span, detail=f"'{load.tensor}' is read at {index}, which the attention "
+                                      "kernels print only from positions, integers, + - *, min, max, clamp and abs",
+                                      hint="the generic family compiles it (division and log buckets included)")
+        expr = index.subs(positions)
+        text = _Printer(self.names(expr, {}), ints=True).doprint(expr)
+        return f"({text})", {self.roles[s.name] for s in positions if s.name in self.roles}
+
+    @staticmethod
+    def dimension(mod: ModTensor, d: int) -> str:
+        """The index of a tensor's dimension d: its role's position, or its index expression."""
+        return mod.index[d] if mod.index and mod.index[d] else _ROLE_TEXT[mod.roles[d]]
+
     @staticmethod
     def offset(mod: ModTensor, slot: int) -> str:
         """The element offset of a tensor's value at (b, h, i, j), int64 (a bias over four axes passes 2^31)."""
-        terms = [f"{_ROLE_TEXT[r]} * C[{slot + 1 + d}]" for d, r in enumerate(mod.roles)]
-        first = terms[0].split(" * ")
+        terms = [f"{_Context.dimension(mod, d)} * C[{slot + 1 + d}]" for d in range(len(mod.roles))]
+        first = terms[0].rsplit(" * ", 1)
         terms[0] = f"{first[0]}.to(tl.int64) * {first[1]}" if mod.roles[0] not in (KV_HEAD, GROUP_INDEX) else \
             f"({first[0]}).to(tl.int64) * {first[1]}"
         return " + ".join(terms)
@@ -240,13 +283,13 @@ def _loads(ctx: _Context, leaves: tuple[tuple[str, ir.Node], ...], in_score: boo
         if not isinstance(node, ir.Load):
             continue
         mod, slot = ctx.tensor(node, in_score)
-        if vector is not None and ({QUERY, KEY} & set(mod.roles)) - {vector}:
+        if vector is not None and ({QUERY, KEY} & mod.reads) - {vector}:
             continue
         local = f"t{k}"
         # bounds only along the positions the tensor has: a per-query value loads once per row of the tile
-        bounds = [b for role, b in ((QUERY, "(i < C[0])"), (KEY, "(j < C[1])")) if role in mod.roles]
+        bounds = [b for role, b in ((QUERY, "(i < C[0])"), (KEY, "(j < C[1])")) if role in mod.reads]
         mask = f", mask={' & '.join(bounds)}, other=0" if bounds else ""
-        lines.append(f"    {local} = tl.load(C[{slot}] + {ctx.offset(mod, slot)}{mask})")
+        lines.append(fit(f"{local} = ", f"tl.load(C[{slot}] + {ctx.offset(mod, slot)}{mask})"))
         table[name] = local
     return lines, table
 
@@ -263,7 +306,8 @@ def _hook(name: str, params: str, origin: str, body: list[str], ret: str | None)
             reads += " " + line.split(" = ", 1)[-1]
     return "\n".join(["", "", "@triton.jit", f"def {name}({params}):", f"    # {origin}",
                       *(drop_double_parens(line) for line in kept),
-                      fit("return ", ret) if ret is not None else ("" if kept else "    pass")]).rstrip("\n")
+                      fit("return ", drop_double_parens(ret)) if ret is not None else ("" if kept else "    pass")]
+                     ).rstrip("\n")
 
 
 def derive(program: ir.Program, cert: Certificate, q_axes: tuple[str, ...], k_axes: tuple[str, ...],
@@ -280,13 +324,40 @@ def derive(program: ir.Program, cert: Certificate, q_axes: tuple[str, ...], k_ax
     origin = cert.span.origin
     if cert.modifier is not None:
         parts += _score_hooks(ctx, cert, origin)
-        description.append(f"  score modifier: s' = {cert.modifier}  (x = scale * q.k)")
-    parts += _mask_hooks(ctx, mask, origin, description)
+        description.append(f"  score modifier: s' = {_readable(sympy.sstr(cert.modifier), _words(cert.leaves))}  "
+                           "(x = scale * q.k)")
+    mask_parts, exact = _mask_hooks(ctx, mask, origin, description)
+    parts += mask_parts
+    tables = None
+    if not exact:  # the ranges come from tables built at call time; the compile-time ones bound their scan
+        parts = [p.replace("def _key_range(", "def _key_bound(").replace("def _query_range(", "def _query_bound(")
+                 for p in parts]
+        slot = ctx.slots  # the tables' (pointer, strides) follow everything else in C: rows, then columns
+        parts += [_hook("_key_range", "rows, b, h, C", origin, [],
+                        f"table_range(C[{slot}], C[{slot + 1}], C[{slot + 2}], C[{slot + 3}], rows, C[0], b, h)"),
+                  _hook("_query_range", "rows, b, h, C", origin, [],
+                        f"table_range(C[{slot + 4}], C[{slot + 5}], C[{slot + 6}], C[{slot + 7}], rows, C[1], b, h)")]
+        tables = _reads_batch_head(ctx, mask)
+        description[:] = [d.replace("blocks outside it skipped, every block inside masked", "the call-time tables' "
+                                    "scan stays inside it") for d in description]
+        description.append("    blocks: from call-time range tables of the mask (mask_table.py: built once per mask "
+                           "tensor, inside the bounds above, cached); exact per row and per key")
     tensors = tuple(mod for mod, _ in sorted(ctx.tensors.values(), key=lambda m: m[1]))
     return Modifiers(cert.modifier is not None, True, tensors,
                      tuple(sorted(ctx.scalars, key=ctx.scalars.__getitem__)),
                      tuple(sorted(ctx.sizes, key=ctx.sizes.__getitem__)), tuple(ctx.layout), "\n".join(parts),
-                     tuple(description))
+                     tuple(description), tables)
+
+
+def _reads_batch_head(ctx: _Context, mask: ir.Node | None) -> tuple[bool, bool]:
+    """Whether the mask reads the batch and the head position (its tensors' dimensions, or the positions)."""
+    roles: set[str] = set()
+    for node in ir.walk(mask) if mask is not None else ():
+        if isinstance(node, ir.AxisIndex):
+            roles.add(ctx.roles.get(node.axis, ""))
+        elif isinstance(node, ir.Load) and node.tensor in ctx.tensors:
+            roles.update(ctx.tensors[node.tensor][0].reads)
+    return BATCH in roles, bool({HEAD, KV_HEAD, GROUP_INDEX} & roles)
 
 
 def _score_hooks(ctx: _Context, cert: Certificate, origin: str) -> list[str]:
@@ -311,16 +382,29 @@ def _score_hooks(ctx: _Context, cert: Certificate, origin: str) -> list[str]:
         derivative = sympy.diff(modifier, sympy.Symbol(name, real=True))
         contribution = "ds" if derivative == 1 else \
             f"ds * ({_Printer(ctx.names(derivative, table, floats=True)).doprint(derivative)})"
-        offset = " + ".join(f"{_ROLE_TEXT[r]} * G[{g + 1 + d}]" for d, r in enumerate(mod.roles))
-        offset = offset.replace(" * ", ".to(tl.int64) * ", 1)  # int64: a bias over four axes passes 2^31
+        offset = " + ".join(f"{_Context.dimension(mod, d)} * G[{g + 1 + d}]" for d in range(len(mod.roles)))
+        first, rest = offset.split(" * G[", 1)
+        offset = f"({first}).to(tl.int64) * G[{rest}"  # int64: a bias over four axes passes 2^31
         grads.append(f"    d{g} = {contribution}")
-        if {QUERY, KEY} & set(mod.roles):
+        if mod.roles.count(INDEX) == 1 and not {QUERY, KEY} & set(mod.roles):
+            # a table read at an expression of positions (T5): the tile's pairs fall in few entries, most often
+            # one (every pair more than R apart shares the end bucket), so one reduction and one atomic per entry
+            # the tile reads, not one per pair contending for it
+            d = mod.roles.index(INDEX)
+            at_v = offset.replace(mod.index[d], f"v{g}", 1)
+            grads += [f"    idx{g} = {mod.index[d]} + 0 * (i + j)",
+                      f"    lo{g} = tl.min(tl.min(tl.where(ok, idx{g}, 2147483647), 1), 0)",
+                      f"    hi{g} = tl.max(tl.max(tl.where(ok, idx{g}, -1), 1), 0)",
+                      f"    for v{g} in range(lo{g}, hi{g} + 1):",
+                      f"        part{g} = tl.sum(tl.sum(tl.where(ok & (idx{g} == v{g}), d{g}, 0.0), 1), 0)",
+                      f"        tl.atomic_add(G[{g}] + {at_v}, part{g}, sem=\"relaxed\")"]
+        elif {QUERY, KEY} & mod.reads:
             grads += [f"    at{g} = G[{g}] + ({offset}) + 0 * (i + j)",
                       f"    tl.atomic_add(at{g}, d{g}, mask=ok, sem=\"relaxed\")"]
         else:
             grads.append(f"    tl.atomic_add(G[{g}] + {offset}, tl.sum(tl.sum(d{g}, 1), 0), sem=\"relaxed\")")
         g += 1 + len(mod.roles)
-    if any("mask=ok" in line for line in grads):
+    if any("mask=ok" in line or "(ok" in line for line in grads):
         grads.insert(0, "    ok = (i < C[0]) & (j < C[1])")
     parts.append(_hook("_score_grads", "ds, s, i, j, b, h, C, G", origin, lines + grads, None))
     return parts
@@ -348,7 +432,8 @@ def _mask_condition(ctx: _Context, mask: ir.Node) -> tuple[sympy.Basic, tuple[tu
     return cond, modifier_leaves(cond, ctx.program, mask)
 
 
-def _mask_hooks(ctx: _Context, mask: ir.Node | None, origin: str, description: list[str]) -> list[str]:
+def _mask_hooks(ctx: _Context, mask: ir.Node | None, origin: str, description: list[str]) -> tuple[list[str], bool]:
+    """The MASK hook and both range hooks, and whether both ranges are exact."""
     cond, leaves = _mask_condition(ctx, mask) if mask is not None else (sympy.true, ())
     lines, table = _loads(ctx, leaves, False)
     try:
@@ -363,15 +448,19 @@ def _mask_hooks(ctx: _Context, mask: ir.Node | None, origin: str, description: l
     for name, node in leaves:
         if isinstance(node, ir.Load):
             for role in (QUERY, KEY):
-                if role in ctx.tensors[node.tensor][0].roles:
+                if role in ctx.tensors[node.tensor][0].reads:
                     per[role].add(name)
     symbols = {s.name: s for s in cond.free_symbols}
-    words = {name: f"{node.tensor}[{' '.join(i.axis or '' for i in node.index)}]" for name, node in leaves
-             if isinstance(node, ir.Load)}
-    description.append(f"  mask: {_readable(sympy.sstr(cond), words) if mask is not None else 'none (bounds only)'}")
+    words = _words(leaves)
+    sizes = frozenset(a.name for a in ctx.program.axes if isinstance(a.size, sympy.Symbol))
+    shown = _readable(sympy.sstr(cond), words, sizes) if mask is not None else "none (bounds only)"
+    description.append(f"  mask: {shown}")
+    all_exact = True
     for label, (row, col, role) in (("keys", (i, j, KEY)), ("queries", (j, i, QUERY))):
         interval, exact = _interval(cond, row, col, frozenset(symbols[n] for n in per[role] if n in symbols))
-        text = _readable(describe(interval, ctx.key if role == KEY else ctx.query), words) if interval is not None \
+        all_exact = all_exact and exact
+        text = _readable(describe(interval, ctx.key if role == KEY else ctx.query), words, sizes) \
+            if interval is not None \
             else "not one interval: every block masked, none skipped"
         description.append(f"    {label}: {text}" + ("" if exact or interval is None else
                                                      " (outer bound of the conjuncts that are intervals: blocks "
@@ -379,7 +468,7 @@ def _mask_hooks(ctx: _Context, mask: ir.Node | None, origin: str, description: l
         name, rows, n_rows, n_cols = ("_key_range", QUERY, "C[0]", "C[1]") if role == KEY else \
             ("_query_range", KEY, "C[1]", "C[0]")
         parts.append(_range_hook(ctx, name, interval, exact, leaves, rows, n_rows, n_cols, origin))
-    return parts
+    return parts, all_exact
 
 
 def _interval(cond: sympy.Basic, row: sympy.Symbol, col: sympy.Symbol, dependent: frozenset
@@ -396,10 +485,22 @@ def _interval(cond: sympy.Basic, row: sympy.Symbol, col: sympy.Symbol, dependent
     return visible_interval(sympy.And(*kept, evaluate=False), row, col, dependent), False
 
 
-def _readable(text: str, words: dict[str, str]) -> str:
-    """A condition or interval in the spec's words: pos_key -> key, t_q_doc_batch_query -> q_doc[batch query]."""
+def _words(leaves: tuple[tuple[str, ir.Node], ...]) -> dict[str, str]:
+    """Each tensor symbol as the spec reads it: `q_doc[batch query]`, `table[head, Min(16, ...) + 16]`."""
+    return {name: (f"{node.tensor}[{' '.join(i.axis or '' for i in node.index)}]"
+                   if all(i.axis for i in node.index) else
+                   f"{node.tensor}[{', '.join(i.axis or sympy.sstr(i.index) for i in node.index)}]")
+            for name, node in leaves if isinstance(node, ir.Load)}
+
+
+def _readable(text: str, words: dict[str, str], sizes: frozenset[str] = frozenset()) -> str:
+    """A condition or interval in the spec's words: pos_key -> key, t_q_doc_batch_query -> q_doc[batch query], and
+    an axis's call-time size symbol (`sizes`) -> size(key)."""
+    head, sep, text = text.partition(" in ") if re.match(r"\w+ in ", text) else ("", "", text)
+    if sizes:  # (first: the bare names; "_" joins the others' parts, so \b finds no axis inside them)
+        text = re.sub(r"\b(" + "|".join(map(re.escape, sorted(sizes))) + r")\b", r"size(\1)", text)
     text = re.sub(r"\bt_\w+", lambda m: words.get(m.group(0), m.group(0)), text)
-    return re.sub(r"\bpos_(\w+)", r"\1", text)
+    return head + sep + re.sub(r"\bpos_(\w+)", r"\1", text)
 
 
 def _range_hook(ctx: _Context, name: str, interval, exact: bool, leaves, row: str, n_rows: str, n_cols: str,

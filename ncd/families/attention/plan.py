@@ -25,6 +25,8 @@ from ncd.families.attention.factorize import Factorization, factorize
 from ncd.families.attention.modifiers import NONE as NO_MODIFIERS
 from ncd.families.attention.modifiers import Modifiers
 from ncd.families.attention.modifiers import derive as derive_modifiers
+from ncd.families.attention.prologue import Transform, drawn_input, operand, transforms
+from ncd.families.attention.sinks import SinkPlan, UnsupportedSink, plan_sink
 from ncd.family import Decline
 from ncd.pipeline import FrontEnd
 from ncd.stable_exp import stable_triton_expr
@@ -53,13 +55,15 @@ class AttentionRoles:
     causal: bool  # the plain causal mask `key <= query`, which the kernels' CAUSAL flag handles
     scale_inputs: tuple[str, ...] = ()  # the scalar inputs the scale reads
     mask: ir.Node | None = None  # any other mask (or causal with a score modifier): a hook (modifiers.py)
+    prologue: tuple[Transform, ...] = ()  # operands the op computes before the kernels (prologue.py)
 
 
 def _load_of_input(program: ir.Program, node: ir.Node, what: str) -> ir.Load:
     if not (isinstance(node, ir.Load) and program.tensor(node.tensor).role == "in"
             and all(i.axis is not None for i in node.index)):
         raise UnsupportedAttention(node.span, detail=f"the attention kernels read {what} directly from an input "
-                                   "tensor", hint=f"make {what} an `in` tensor of the spec")
+                                   "tensor", hint=f"make {what} an `in` tensor of the spec, or compute it in a named "
+                                   "intermediate from inputs (a prologue: ncd/families/attention/prologue.py)")
     return node
 
 
@@ -70,12 +74,11 @@ def roles(program: ir.Program, cert: Certificate) -> AttentionRoles:
     axis = cert.axis
     lhs, rhs = ir.inline(program, value.lhs), ir.inline(program, value.rhs)
     weights_node, v_node = (lhs, value.rhs) if _has_aggregate(lhs, axis) else (rhs, value.lhs)
-    v = _load_of_input(program, ir.inline(program, v_node), "V")
+    v = operand(program, v_node, "V")
     norm = weights_node if isinstance(weights_node, ir.Normalize) else None
     scores = [n for n in ir.walk_inlined(program, weights_node) if isinstance(n, ir.Contract)]
     score = scores[0]
-    a, b = _load_of_input(program, ir.inline(program, score.lhs), "Q"), _load_of_input(
-        program, ir.inline(program, score.rhs), "K")
+    a, b = operand(program, score.lhs, "Q"), operand(program, score.rhs, "K")
     q, k = (a, b) if axis in b.axes else (b, a)
     (dim,) = score.over
     row_axes = [x for x in q.axes if x not in k.axes and x != dim and not _factor_in(program, x, k.axes)]
@@ -97,11 +100,7 @@ def roles(program: ir.Program, cert: Certificate) -> AttentionRoles:
     v_dims = [x for x in v.axes if x not in (batch, kv_head, axis)]
     if set(k.axes) != set(k_axes) or len(v_dims) != 1 or len(v.axes) != 4:
         raise UnsupportedAttention(k.span, detail="K and V must be [batch head key dim] (any order)")
-    v_axes = (batch, kv_head, axis, v_dims[0])
-    if sympy.simplify(program.axis(v_dims[0]).size - program.axis(dim).size) != 0:
-        raise UnsupportedAttention(v.span, detail=f"the attention kernels need V's width '{v_dims[0]}' "
-                                   f"({program.axis(v_dims[0]).size}) equal to the head dim '{dim}' "
-                                   f"({program.axis(dim).size})", hint=f"declare V over '{dim}'")
+    v_axes = (batch, kv_head, axis, v_dims[0])  # (V's width may differ from the head dim: HEAD_DIM_V in kernel.py)
     o_tensor = program.tensor(cert.output)
     o_axes = (batch, head, query, v_dims[0])
     if set(o_tensor.axes) != set(o_axes):
@@ -116,8 +115,10 @@ def roles(program: ir.Program, cert: Certificate) -> AttentionRoles:
         causal = _is_causal(norm.mask, query, axis) and cert.modifier is None
         mask = None if causal else norm.mask
     scale, scale_inputs = _host_scale(program, cert)
+    prologue = transforms(program, {"Q": q, "K": k, "V": v}, {"Q": dim, "K": dim, "V": v_dims[0]})
     return AttentionRoles(q.tensor, k.tensor, v.tensor, weight, scale, cert.output,
-                          (batch, head, query, dim), k_axes, v_axes, o_axes, weight_axes, causal, scale_inputs, mask)
+                          (batch, head, query, dim), k_axes, v_axes, o_axes, weight_axes, causal, scale_inputs, mask,
+                          prologue)
 
 
 def _host_scale(program: ir.Program, cert: Certificate) -> tuple[str | float, tuple[str, ...]]:
@@ -238,6 +239,7 @@ class AttentionPlan:
     factorized_cost: FormEstimate | None = None
     config: AttentionConfig = DEFAULT_CONFIG
     modifiers: Modifiers = NO_MODIFIERS
+    sink: SinkPlan | None = None
 
     def _padding(self) -> list[str]:
         dim = self.bindings.get(self.roles.q_axes[3])
@@ -251,9 +253,11 @@ class AttentionPlan:
         lines = [*self.certificate.describe(), "kernel family: normalized-contraction attention",
                  f"  Q = {r.query}[{' '.join(r.q_axes)}]  K = {r.key}[{' '.join(r.k_axes)}]  "
                  f"V = {r.value}[{' '.join(r.v_axes)}]  -> {r.output}[{' '.join(r.o_axes)}]",
+                 *(t.describe() for t in r.prologue),
                  f"  scale: {self.certificate.scale if isinstance(r.scale, str) else r.scale}   causal: {r.causal}   "
                  f"per-key weight: {r.weight or 'none'}",
                  *self.modifiers.describe(),
+                 *(self.sink.describe() if self.sink is not None else []),
                  f"  triton: a1 = {self.maps.a1};  a2 = {self.maps.a2};  b = {self.maps.b}",
                  f"          a1' = {self.maps.da1};  a2' = {self.maps.da2};  b'/b = {self.maps.db_over_b}",
                  *([f"          pre-map h = {self.maps.pre};  h' = {self.maps.dpre}"] if self.maps.pre else []),
@@ -291,11 +295,13 @@ class AttentionPlan:
 
         return render_attention_op(program, self.certificate, self.roles, self.maps, op_id,
                                    self.config.forward_tiles, self.factorization, config=self.config,
-                                   modifiers=self.modifiers)
+                                   modifiers=self.modifiers, sink=self.sink)
 
     def constant_inputs(self) -> frozenset[str]:
         """The per-key weight and the modifiers' integer tensors (lengths, segment ids, ...)."""
         weight = {self.roles.weight} if self.roles.weight else set()
+        if self.sink is not None and self.sink.tensor is not None and not self.sink.grad:
+            weight.add(self.sink.tensor)
         return frozenset(weight | {t.name for t in self.modifiers.tensors if not t.float} | set(self.modifiers.scalars))
 
     def validation_sizes(self, program: ir.Program) -> dict[str, int]:
@@ -330,7 +336,9 @@ class AttentionPlan:
 
         if self.certificate.rescale is not None or self.certificate.b.subs(Z, 0) != 0:
             return inputs
-        q_name, q_dim = self.roles.query, self.roles.q_axes[3]
+        q_name, q_dim = drawn_input(self.roles.prologue, self.roles.query), self.roles.q_axes[3]
+        if q_name is None:  # q computed by a prologue from several inputs: no one input row to redraw
+            return inputs
         q_axes = program.tensor(q_name).axes
         out = dict(inputs)
         for _ in range(REDRAWS):
@@ -370,6 +378,9 @@ def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan |
     r = roles(program, cert)
     maps = kernel_maps(cert)
     modifiers = derive_modifiers(program, cert, r.q_axes, r.k_axes, r.mask)
+    sink = plan_sink(program, cert, _normalize_of(program, cert), r.q_axes)
+    if sink is not None and sink.tensor in {t.name for t in modifiers.tensors}:
+        raise UnsupportedSink(cert.span, detail=f"'{sink.tensor}' is both the sink and read by the score or mask")
     sizes = {**DEFAULT_BINDINGS, **bindings}
     bound = {}
     for axis in program.axes:
@@ -383,16 +394,29 @@ def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan |
         value_dim=kernel_head_dim(bound[r.v_axes[3]]), elem_bytes=DTYPE_BYTES.get(q_tensor.dtype or "bf16", 2),
         causal=r.causal,
     )
-    shown = {a: bound[a] for a in dict.fromkeys((*r.q_axes, *r.k_axes))}
-    # (the factorized form reassociates the contractions, which a modifier or a mask other than causal breaks)
-    factorization = None if modifiers.has_mask else factorize(cert, r.causal)
+    shown = {a: bound[a] for a in dict.fromkeys((*r.q_axes, *r.k_axes, *r.v_axes))}
+    # (the factorized form reassociates the contractions, which a modifier or a mask other than causal breaks; its
+    # [D, 2D] states need V as wide as Q and K)
+    value_width = sympy.simplify(program.axis(r.v_axes[3]).size - program.axis(r.q_axes[3]).size) != 0
+    factorization = None if modifiers.has_mask or value_width or sink is not None else factorize(cert, r.causal)
     factorized_cost = factorized_estimate(shape, factorization.chunk) if factorization is not None else None
     estimates = tuple(rank_configs(shape))
     tiles = tuple((e.config.block_m, e.config.block_n, e.config.num_warps, e.config.num_stages) for e in estimates)
     config = attention_config(maps, cert.rescale is not None, tiles, factorization, modifiers.has_score)
     if modifiers.has_mask:  # the dQ-from-dS kernel would read tiles the mask's ranges never wrote (kernel.py)
         config = replace(config, ds_buffer_bytes=0)
-    return AttentionPlan(cert, r, maps, shown, estimates, factorization, shape, factorized_cost, config, modifiers)
+    return AttentionPlan(cert, r, maps, shown, estimates, factorization, shape, factorized_cost, config, modifiers,
+                         sink)
+
+
+def _normalize_of(program: ir.Program, cert: Certificate) -> ir.Normalize | None:
+    value = ir.inline(program, program.definition(cert.output).value)
+    assert isinstance(value, ir.Contract)
+    for side in (value.lhs, value.rhs):
+        node = ir.inline(program, side)
+        if isinstance(node, ir.Normalize):
+            return node
+    return None
 
 
 def _role_name(r: AttentionRoles, axis: str) -> str:

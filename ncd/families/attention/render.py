@@ -187,7 +187,8 @@ def render_attention_module(spec: AttentionKernelSpec, factorization: Factorizat
              "import torch", "import triton", *(["import triton.language as tl"] if uses_tl else []), "",
              "from ncd.families.attention import kernel as _kernels",
              *(["from ncd.families.attention import kernel_chunked as _chunked"] if factorization is not None else []),
-             "from ncd.families.attention.kernel import AttentionConfig", "",
+             "from ncd.families.attention.kernel import AttentionConfig",
+             *(["from ncd.families.attention.mask_table import table_range"] if modifiers.tables else []), "",
              f'NAME = "{spec.name}"', f"ONLINE_MAX = {spec.online_max}", _config_literal(config)]
     for label, var, expr, doc in functions:
         expr = ast.unparse(ast.parse(expr.strip(), mode="eval"))  # the same tree, without redundant parentheses

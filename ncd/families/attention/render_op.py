@@ -13,7 +13,9 @@ from ncd.families.attention.factorize import Factorization
 from ncd.families.attention.modifiers import NONE as NO_MODIFIERS
 from ncd.families.attention.modifiers import Modifiers
 from ncd.families.attention.plan import AttentionRoles, KernelMaps
-from ncd.families.attention.render import AttentionKernelSpec, render_attention_module
+from ncd.families.attention.prologue import render as render_prologue
+from ncd.families.attention.render import AttentionKernelSpec, _uses_name, render_attention_module
+from ncd.families.attention.sinks import SinkPlan
 from ncd.source import origin_name
 from ncd.streaming import Certificate
 
@@ -54,9 +56,10 @@ def _scale_grad_inputs(roles: AttentionRoles) -> list[str]:
 def render_attention_op(program: ir.Program, cert: Certificate, roles: AttentionRoles, maps: KernelMaps,
                         op_id: str, forward_configs: tuple[tuple[int, ...], ...] = (),
                         factorization: Factorization | None = None, config: AttentionConfig | None = None,
-                        modifiers: Modifiers | None = None) -> str:
+                        modifiers: Modifiers | None = None, sink: SinkPlan | None = None) -> str:
     spec = kernel_spec(op_id, cert, roles, maps, program, forward_configs, factorization is not None)
     kernels = render_attention_module(spec, factorization, config, modifiers)
+    kernels += _sink_hooks(sink, "import triton.language as tl" not in kernels)
     modifiers = modifiers or NO_MODIFIERS
     inputs = program.inputs
     params: list[str] = []
@@ -90,6 +93,8 @@ def render_attention_op(program: ir.Program, cert: Certificate, roles: Attention
         w_axes = spec_axes[roles.weight]
         weight_layout = repr(batch) if w_axes == (key,) else repr(tuple(w_axes.index(a) for a in (batch, key)))
     axes_table = {a.name: (a.fixed, a.factors) for a in program.axes}
+    direct = [n for n in (roles.value, roles.key, roles.query) if program.tensor(n).role == "in"]
+    prologue_source, prologue_call = render_prologue(program, roles.prologue, direct) if roles.prologue else ("", [])
     scale_expr = roles.scale if isinstance(roles.scale, str) else repr(roles.scale)
     wrapper = environment().get_template("attention_op.py.jinja").render(
         spec_name=program.name, origin_file=origin_name(program.source.filename), op_id=op_id,
@@ -98,9 +103,24 @@ def render_attention_op(program: ir.Program, cert: Certificate, roles: Attention
         scale_grad_inputs=_scale_grad_inputs(roles), perms=perms, weight_layout=weight_layout, scale_expr=scale_expr,
         output=roles.output, output_axes=o_axes, factorization=factorization, norm_origin=cert.span.origin,
         modifier_tensors=modifier_tensors, modifier_scalars=list(modifiers.scalars),
-        modifier_sizes=list(modifiers.sizes), modifier_layout=list(modifiers.layout),
+        modifier_sizes=list(modifiers.sizes), modifier_layout=list(modifiers.layout), sink=sink,
+        tables=modifiers.tables, stat_rate=float(cert.rescale.c2) if cert.rescale is not None else 0.0,
+        lse_axes=[a for a in o_axes if a != roles.o_axes[3]],
+        prologue_source=prologue_source, prologue_call=prologue_call,
         origins={"output": program.tensor(roles.output).span.origin, "weight": dict(spec.origin).get("weight", "")},
     )
     text = kernels + wrapper
     ast.parse(text)
     return text
+
+
+def _sink_hooks(sink: SinkPlan | None, import_tl: bool) -> str:
+    """The sink logit's map u(sigma) and u'(sigma) (sinks.py) as device functions; nothing for a constant sink."""
+    if sink is None or sink.tensor is None:
+        return ""
+    lines = ["", "import triton.language as tl  # noqa: E402"] if import_tl else []
+    for name, text, doc in (("_sink_map", sink.map, "u(x): the sink's place in the maps' domain"),
+                            ("_dsink_map", sink.dmap, "u'(x)")):
+        body = text if _uses_name(text, "x") else f"tl.full(x.shape, {text}, tl.float32)"
+        lines += ["", "", "@triton.jit", f"def {name}(x):", f"    # {doc}; {sink.origin}", f"    return {body}"]
+    return "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ncd import runtime as rt
+from ncd.families.attention import kernel_decode, kernel_sink, mask_table
 from ncd.op_runtime import Arg, KernelOp
 
 _ARGS = [Arg("q", grad=True), Arg("k", grad=True), Arg("v", grad=True), Arg("w", "Tensor?", grad=True),
@@ -31,7 +32,9 @@ class AttentionOp:
                  weight_layout: tuple[int, ...] | str | None = None, scale_grad: str | None = None,
                  factorized: bool = False,
                  modifiers: tuple[Sequence[tuple[str, int, bool]], Sequence[str], Sequence[str],
-                                  Sequence[tuple[str, str]]] = ((), (), (), ())) -> None:
+                                  Sequence[tuple[str, str]]] = ((), (), (), ()),
+                 sink: tuple[str | None, tuple[int, ...], float, bool] | None = None,
+                 tables: tuple[bool, bool] | None = None, stat_rate: float = 0.0) -> None:
         self.spec_name, self.ns, self.axes = spec_name, namespace, axes
         # the score and mask hooks' inputs (modifiers.py): tensors (name, dimensions, takes a gradient), scalar
         # inputs, and the axes whose sizes they read; after (q, k, v, w, scale) in that order
@@ -44,6 +47,14 @@ class AttentionOp:
         args = [*_ARGS, *(Arg(f"m_{name}", grad=grad) for name, _, grad in self.mod_tensors),
                 *(Arg(f"m_{name}", "float") for name in self.mod_scalars),
                 *(Arg(f"size_{name}", "int") for name in self.mod_sizes)]
+        # a sink (kernel_sink.py): its logit tensor (last argument; dims: positions among batch, head, query) or a
+        # constant place, and whether the tensor takes a gradient
+        self.tables = tables  # the mask's call-time range tables (mask_table.py): (reads the batch, the head)
+        self.sink = sink
+        self.sink_tensor = sink is not None and sink[0] is not None
+        if self.sink_tensor:
+            assert sink is not None
+            args.append(Arg(f"s_{sink[0]}", grad=sink[3]))
         self.inputs = tuple((name, tuple(a)) for name, a in inputs)
         self.query, self.key, self.value = query, key, value
         self.perms = {role: tuple(p) for role, p in perms.items()}
@@ -52,6 +63,13 @@ class AttentionOp:
         self.streamed = KernelOp(f"ncd::{op_id}", spec_name, args, ["o", "z", "m"], save_results=(0, 1, 2),
                                  forward=self._forward, fake=self._fake, backward=self._backward,
                                  backward_fake=self._backward_fake)
+        # the op with the row statistic as a second, differentiable result (`return_lse`): lse = log of the row's
+        # sum z = sum_j w_j a2(s_ij) (+ the sink's), as c2 m + log z from the running max m and the z kept relative
+        # to it (stat_rate: a2's rate c2; 0 without the running max); -inf for a row with z = 0
+        self.stat_rate = stat_rate
+        self.with_lse = KernelOp(f"ncd::{op_id}_lse", spec_name, args, ["o", "lse", "z", "m"], save_results=(0, 2, 3),
+                                 differentiable=2, forward=self._forward_lse, fake=self._fake_lse,
+                                 backward=self._backward_lse, backward_fake=self._backward_fake)
         self.factorized = None
         if factorized:
             self.factorized = KernelOp(f"ncd::{op_id}_factorized", spec_name, _ARGS, ["o", "z", "h", "vec"],
@@ -61,18 +79,37 @@ class AttentionOp:
 
     # --- launchers in the runtime's conventions ----------------------------------------------------------------
 
-    def _context(self, q: torch.Tensor, k: torch.Tensor, tensors: Sequence[torch.Tensor], constants: Sequence[Any]
-                 ) -> tuple | None:
+    def _context(self, q: torch.Tensor, k: torch.Tensor, tensors: Sequence[torch.Tensor], constants: Sequence[Any],
+                 columns: bool = False) -> tuple | None:
         """The hooks' context tuple C: (N_Q, N_K, GROUP, each tensor's pointer and strides, the scalars, the
-        sizes), in modifiers.py's order; None without modifiers."""
+        sizes), in modifiers.py's order, then the mask's range tables where it has them (mask_table.py: the rows
+        table, and the columns table with `columns`, else the rows table again in its place); None without
+        modifiers."""
         if not self.ns["KERNELS"].modified:
             return None
+        context = self.base_context(q, k, tensors, constants)
+        return context + tuple(self._tables(q, k, context, columns)) if self.tables is not None else context
+
+    def base_context(self, q: torch.Tensor, k: torch.Tensor, tensors: Sequence[torch.Tensor],
+                     constants: Sequence[Any]) -> tuple:
+        """C without the range tables: what the MASK hook and the compile-time bounds read."""
         values = (*tensors, *constants)
         context: list[Any] = [q.shape[2], k.shape[2], q.shape[1] // k.shape[1]]
         for index, is_tensor in self.mod_layout:
             value = values[index]
             context += [value, *value.stride()] if is_tensor else [value]
         return tuple(context)
+
+    def _tables(self, q: torch.Tensor, k: torch.Tensor, context: tuple, columns: bool) -> list[Any]:
+        """The rows table's and the columns table's (pointer, strides) for the range hooks (cached per mask)."""
+        assert self.tables is not None
+        ns, (by_batch, by_head) = self.ns, self.tables
+        sizes = (q.shape[2], k.shape[2], q.shape[0], q.shape[1])
+        rows = mask_table.row_ranges(ns["_mask"], context, *sizes, by_batch=by_batch, by_head=by_head,
+                                     outer=ns["_key_bound"], device=q.device)
+        cols = mask_table.col_ranges(ns["_mask"], context, *sizes, by_batch=by_batch, by_head=by_head,
+                                     outer=ns["_query_bound"], rows=rows, device=q.device) if columns else rows
+        return [*mask_table.table_context(rows), *mask_table.table_context(cols)]
 
     def _grad_buffers(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], tuple]:
         """Zeroed fp32 buffers for the modifier tensors that take a gradient, and G (pointers and strides)."""
@@ -85,9 +122,46 @@ class AttentionOp:
         return rest[:n], rest[n:]
 
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Any, scale: float, *rest: Any) -> tuple:
-        tensors, constants = self._split(rest)
-        o, (z, m) = self.ns["forward"](q, k, v, w, scale, self._context(q, k, tensors, constants))
+        sink = rest[-1] if self.sink_tensor else None
+        tensors, constants = self._split(rest[:-1] if self.sink_tensor else rest)
+        context = self._context(q, k, tensors, constants)
+        mode = self.ns["CONFIG"].decode
+        wide = torch.float32 if self.sink is not None else None  # (the sink's merge rounds o once, from fp32)
+        if mode == "always" or (mode == "auto" and kernel_decode.use_decode(q.shape[2], k.shape[2],
+                                                                             q.shape[0] * q.shape[1])):
+            # few queries, many keys: the key axis split across programs, merged by the certificate
+            o, (z, m) = kernel_decode.decode_forward(self.ns["KERNELS"], q, k, v, w, scale, context, out_dtype=wide)
+        elif wide is not None:
+            o, (z, m) = self.ns["forward"](q, k, v, w, scale, context, wide)
+        else:
+            o, (z, m) = self.ns["forward"](q, k, v, w, scale, context)
+        if self.sink is not None:
+            o = kernel_sink.merge(self.ns["KERNELS"], o, z, m, sink, self.sink[1], self.sink[2],
+                                  self.ns.get("_sink_map"), q.dtype)
         return o, z, m
+
+    def _forward_lse(self, *args: Any) -> tuple:
+        o, z, m = self._forward(*args)
+        lse = torch.log(torch.where(z > 0, z, 1.0))
+        if self.stat_rate and m is not None:
+            lse = lse + self.stat_rate * m
+        return o, torch.where(z > 0, lse, float("-inf")), z, m
+
+    def _fake_lse(self, *args: Any) -> tuple:
+        o, z, m = self._fake(*args)
+        return o, torch.empty_like(z), z, m
+
+    def _backward_lse(self, grads: tuple, saved: tuple, constants: tuple, needs: tuple, stash: Any) -> tuple:
+        """d lse_i / d z_i = 1 / z_i (z relative to the running max, as the kernels keep it): the kernels' delta,
+        -dL/dz, takes -g_i / z_i more (`delta_in`)."""
+        do, dlse = grads
+        o, z = saved[-3], saved[-2]
+        if do is None:
+            do = torch.zeros_like(o)
+        if dlse is None:
+            return self._backward((do,), saved, constants, needs, stash)
+        delta_in = torch.where(z != 0, -dlse.float() / torch.where(z != 0, z, 1.0), 0.0)
+        return self._backward((do,), saved, constants, needs, stash, delta_in)
 
     def _fake(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Any, scale: float, *rest: Any) -> tuple:
         rows = (q.shape[0], q.shape[1], q.shape[2])
@@ -118,19 +192,30 @@ class AttentionOp:
         return self.ns["weight_gradient"](do, q, k, v, w, o, z, rest[0] if self.ns["ONLINE_MAX"] else None, scale,
                                           context)
 
-    def _backward(self, grads: tuple, saved: tuple, constants: tuple, needs: tuple, stash: Any) -> tuple:
+    def _backward(self, grads: tuple, saved: tuple, constants: tuple, needs: tuple, stash: Any,
+                  delta_in: torch.Tensor | None = None) -> tuple:
         (do,) = grads
         scale, *mod_constants = constants
         n = len(self.mod_tensors)
-        mod_tensors, saved = saved[4:4 + n], (*saved[:4], *saved[4 + n:])
-        context = self._context(saved[0], saved[1], mod_tensors, mod_constants)
+        sinks = saved[4 + n:5 + n] if self.sink_tensor else ()
+        mod_tensors, saved = saved[4:4 + n], (*saved[:4], *saved[4 + n + len(sinks):])
+        context = self._context(saved[0], saved[1], mod_tensors, mod_constants, columns=True)
         buffers, grad_args = self._grad_buffers(mod_tensors)
-        dq, dk, dv = self.ns["backward_from_saved"](do, *saved, scale, context, grad_args)
+        if delta_in is None:
+            dq, dk, dv = self.ns["backward_from_saved"](do, *saved, scale, context, grad_args)
+        else:
+            dq, dk, dv = self.ns["backward_from_saved"](do, *saved, scale, context, grad_args, delta_in)
         mod_grads = iter(buffers)
         raw = [next(mod_grads).to(t.dtype) if grad else None
                for t, (_, _, grad) in zip(mod_tensors, self.mod_tensors, strict=True)]
+        dsink = []
+        if sinks and self.sink is not None and self.sink[3]:
+            o, z, m = saved[4:7]
+            dsink = [kernel_sink.gradient(self.ns["KERNELS"], do, o, z, m if self.ns["ONLINE_MAX"] else None,
+                                          sinks[0], self.sink[1], self.ns["_sink_map"], self.ns["_dsink_map"], delta_in)
+                     if needs[-1] else None]
         return (dq, dk, dv, self._weight_gradient(do, saved, scale, needs, context),
-                *[g for g, (_, _, grad) in zip(raw, self.mod_tensors, strict=True) if grad])
+                *[g for g, (_, _, grad) in zip(raw, self.mod_tensors, strict=True) if grad], *dsink)
 
     def _backward_factorized(self, grads: tuple, saved: tuple, constants: tuple, needs: tuple, stash: Any) -> tuple:
         (do,) = grads
@@ -142,8 +227,10 @@ class AttentionOp:
         q, k, v, w = saved[:4]
         dw = torch.empty_like(w) if needs[3] and w is not None else q.new_empty(0)
         mods = saved[4:4 + len(self.mod_tensors)]
+        sink = [torch.empty_like(saved[4 + len(mods)])] if self.sink_tensor and self.sink and self.sink[3] else []
         return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dw,
-                *[torch.empty_like(t) for t, (_, _, grad) in zip(mods, self.mod_tensors, strict=True) if grad]]
+                *[torch.empty_like(t) for t, (_, _, grad) in zip(mods, self.mod_tensors, strict=True) if grad],
+                *sink]
 
     # --- calls --------------------------------------------------------------------------------------------------
 
@@ -157,7 +244,10 @@ class AttentionOp:
         named = [(name, t, axes) for (name, axes), t in zip(self.inputs, tensors, strict=True)]
         sizes = rt.bind_axes(self.axes, named)
         by_name = {name: t for name, t, _ in named}
-        rt.check_floats([(role, by_name[role]) for role in (self.query, self.key, self.value)])
+        # (an operand a prologue computes, not an input, is checked by the prologue: prologue.py)
+        direct = [(role, by_name[role]) for role in (self.query, self.key, self.value) if role in by_name]
+        if direct:
+            rt.check_floats(direct)
         for name, _, grad in self.mod_tensors:
             t = by_name[name]
             if grad and not t.is_floating_point():
@@ -165,6 +255,10 @@ class AttentionOp:
             if not grad and (t.is_floating_point() or t.is_complex()):
                 raise rt.CallError(None, detail=f"{name} has dtype {t.dtype}; the spec declares an integer tensor "
                                    "(pass torch.int32 or torch.int64 values)")
+        sink = self.sink[0] if self.sink is not None else None
+        if sink is not None and not by_name[sink].is_floating_point():
+            raise rt.CallError(None, detail=f"{sink} (the sink's logits) has dtype {by_name[sink].dtype}; pass a "
+                               "float tensor")
         rt.check_device([(name, t) for name, t, _ in named])
         self._checked.put(signature, sizes)
         return sizes
@@ -181,7 +275,11 @@ class AttentionOp:
         return w.to(torch.float32)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, scale: Any,
-                 sizes: Mapping[str, int], *mods: Any) -> torch.Tensor:
+                 sizes: Mapping[str, int], *mods: Any, return_lse: bool = False) -> Any:
+        """The output; with return_lse, (output, lse) where lse is the log of each row's sum z (FlashAttention's
+        log-sum-exp for softmax) over the output's axes other than the value width, differentiable."""
+        if return_lse:
+            return self._with_lse(q, k, v, w, scale, sizes, *mods)
         if self.weight is not None and w is not None and torch.compiler.is_compiling():
             # the weight's gradient kernel runs in eager backwards only
             rt.check_constant(self.weight, w, "the per-key weight under torch.compile")
@@ -202,6 +300,32 @@ class AttentionOp:
         if self.factorized is not None and self.ns["_use_factorized"](kq.shape[2], kk.shape[2],
                                                                       self.ns["head_tile"](kq.shape[3])):
             op = self.factorized  # the kernels' work is at the head tile
+        if self.sink_tensor:  # the sink's logits come last, after the modifiers' sizes
+            return op(kq, kk, kv, kw, kernel_scale, *mods[:-1], *(sizes[a] for a in self.mod_sizes),
+                      mods[-1])[0].permute(inverse)
         if self.mod_tensors or self.mod_scalars or self.mod_sizes:
             return op(kq, kk, kv, kw, kernel_scale, *mods, *(sizes[a] for a in self.mod_sizes))[0].permute(inverse)
         return op(kq, kk, kv, kw, kernel_scale)[0].permute(inverse)
+
+    def _with_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, scale: Any,
+                  sizes: Mapping[str, int], *mods: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.weight is not None and w is not None and w.requires_grad:
+            raise rt.CallError(None, detail=f"return_lse=True with a per-key weight '{self.weight}' that requires "
+                               "grad: its gradient kernel does not take the statistic's gradient; detach the weight")
+        kq, kk, kv = q.permute(self.perms["q"]), k.permute(self.perms["k"]), v.permute(self.perms["v"])
+        kw = self._kernel_weight(w, sizes)
+        if self.scale_grad is not None:
+            kernel_scale, kq = rt.differentiable_scale(scale, kq, self.scale_grad)
+        else:
+            kernel_scale = float(scale)
+        inverse = self.perms["o_inverse"]
+        rows = [d for d in inverse if d != 3]  # the output's axes without the value width, in the spec's order
+        if 0 in kq.shape or 0 in kk.shape:  # nothing to launch: every row masked (output 0, lse -inf)
+            o = rt.zero_result((kq.shape[0], kq.shape[1], kq.shape[2], kv.shape[3]), kq, kq, kk, kv, kw)
+            return o.permute(inverse), torch.full(kq.shape[:3], float("-inf"), device=kq.device).permute(rows)
+        if self.sink_tensor:
+            args = (*mods[:-1], *(sizes[a] for a in self.mod_sizes), mods[-1])
+        else:
+            args = (*mods, *(sizes[a] for a in self.mod_sizes))
+        o, lse, _, _ = self.with_lse(kq, kk, kv, kw, kernel_scale, *args)
+        return o.permute(inverse), lse.permute(rows)

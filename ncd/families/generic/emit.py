@@ -16,6 +16,7 @@ import sympy
 
 from ... import ir, stable_exp, streaming
 from ...errors import InvalidStatement
+from ...index_expr import emit_gather, is_gather
 from ...source import NO_SPAN, Span
 from ...symbolic import TorchPrinter, to_sympy, torch_expr
 
@@ -314,6 +315,8 @@ class BodyEmitter:
         return self.emit(f"{lhs.code} {INFIX[op]} {_operand(rhs.code)}", axes, span)
 
     def load(self, node: ir.Load, scope: dict[str, object]) -> Value:
+        if is_gather(self.program, node):  # read at index expressions of positions (ncd/index_expr.py)
+            return emit_gather(self, node, scope)
         code = self.env[node.tensor].code
         kept: list[str] = []
         for dim, index in reversed(list(enumerate(node.index))):
@@ -374,8 +377,13 @@ class BodyEmitter:
             weight = self.to_axes(self.eval(node.weight, scope), s.axes, "exact", span)[0]
             keep = weight if keep is None else self.emit(f"{keep.code} * {weight.code}", s.axes, span)
         form = self.stabiliser(node)
+        rest = tuple(a for a in s.axes if a != node.over)
+        sigma = None if node.sink is None else self.to_axes(self.eval(node.sink, scope), rest, "exact", span)[0]
+        sink = None  # the sink's entry of the sum (docs/language.md: normalize's sink; b(z) = c z + beta)
         if form is None:
             a2, a1 = self.lam(node.a2, s, s.axes, span), self.lam(node.a1, s, s.axes, span)
+            if sigma is not None:
+                sink = self.lam(node.a2, sigma, rest, span)
         else:
             t = s if form.pre == streaming.X else self.printed(form.pre, s, span)
             visible = t if keep is None else self.emit(f"{t.code}.masked_fill({keep.code} == 0, -torch.inf)",
@@ -385,7 +393,24 @@ class BodyEmitter:
                 largest = f"{largest} if {self.size(node.over)} else {t.code}.sum({dim}, keepdim=True).detach()"
             top = self.emit(largest, s.axes, span)
             top = self.emit(f"torch.where(torch.isfinite({top.code}), {top.code}, 0.0)", s.axes, span)
+            t_sink = None
+            if sigma is not None and form.sink is not None:
+                raise unsupported(span, "a sink here: b has a constant term (a sink of its own) besides normalize's "
+                                  "sink", "give the sink once: b(z) = z with sink = ...")
+            if sigma is not None:
+                t_sink = sigma if form.pre == streaming.X else self.printed(form.pre, sigma, span)
+            elif form.sink is not None:
+                t_sink = self.emit(f"torch.full_like({top.code}.squeeze({dim}), {float(form.sink)!r})", rest, span)
+            if t_sink is not None:  # the sink takes part in the row maximum, as a key would
+                top = self.emit(f"torch.maximum({top.code}, {t_sink.code}.unsqueeze({dim}).detach())", s.axes,
+                                span)
+                lifted = self.emit(f"{t_sink.code} - {top.code}.squeeze({dim})", rest, span)
+                sink = (self.lam(node.a2, lifted, rest, span) if form.pre == streaming.X and form.b is None
+                        else self.printed(form.a2, lifted, span))
             shifted = self.emit(f"{t.code} - {top.code}", s.axes, span)
+            if keep is not None:  # a masked score above the visible max would overflow exp, and its zero
+                # gradient times inf is NaN: masked entries enter the maps at 0 (they are zeroed below anyway)
+                shifted = self.emit(f"torch.where({keep.code} != 0, {shifted.code}, 0.0)", s.axes, span)
             if form.pre == streaming.X:  # the spec's own maps at x - max(x)
                 a2, a1 = self.lam(node.a2, shifted, s.axes, span), self.lam(node.a1, shifted, s.axes, span)
             else:  # a1, a2 as maps of t = h(x) (streaming.stabilise), at t - max(t)
@@ -395,10 +420,15 @@ class BodyEmitter:
         if keep is not None:
             a2 = self.emit(f"{keep.code} * torch.where({keep.code} != 0, {a2.code}, 0.0)", s.axes, span)
             a1 = self.emit(f"{keep.code} * torch.where({keep.code} != 0, {a1.code}, 0.0)", s.axes, span)
-        rest = tuple(a for a in s.axes if a != node.over)
         z = self.emit(f"{a2.code}.sum({dim})", rest, span)
+        if sink is not None:
+            z = self.emit(f"{z.code} + {sink.code}", rest, span)
         empty = self.emit(f"{z.code} == 0", rest, span)
-        b = self.lam(node.b, self.emit(f"torch.where({empty.code}, 1.0, {z.code})", rest, span), rest, span)
+        safe = self.emit(f"torch.where({empty.code}, 1.0, {z.code})", rest, span)
+        if form is not None and form.b is not None:  # b(z) = c z + beta: its constant is the sink above
+            b = self.printed(form.b.subs(streaming.Z, streaming.X), safe, span)
+        else:
+            b = self.lam(node.b, safe, rest, span)
         out = self.emit(f"{a1.code} / {b.code}.unsqueeze({dim})", s.axes, span)
         return self.emit(f"torch.where({empty.code}.unsqueeze({dim}), 0.0, {out.code})", s.axes, span)
 

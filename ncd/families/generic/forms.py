@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ncd.ir import FLOAT_DTYPES
 from ncd.ops import Op
 from ncd.reference import evaluate
 from ncd.validate import Case
@@ -35,7 +36,8 @@ class GenericForms(Forms):
         device = next(iter(inputs.values())).device if inputs else "cpu"
         for t in self.op.signature:  # scalars the op needs a value for
             if not t.axes and t.default is None and t.name not in out:
-                out[t.name] = torch.randn((), generator=generator).to(device=device, dtype=case.dtype)
+                out[t.name] = torch.randn((), generator=generator).to(device=device, dtype=case.dtype) \
+                    if t.dtype in FLOAT_DTYPES else torch.randint(-3, 4, (), generator=generator).to(device)
         return out
 
     def _representable(self, inputs: dict[str, torch.Tensor]) -> bool:

@@ -37,6 +37,7 @@ class GenericPlan:
     stabilised: tuple[Stabilised, ...]
     solves: bool  # the module defines _ImplicitSolve (chebyshev_solve)
     declined: tuple[tuple[str, str], ...] = field(default=())  # (family, "file:line:col: reason"), from the registry
+    constants: frozenset[str] = field(default=frozenset())  # integer and boolean inputs: they take no gradient
 
     @property
     def output(self) -> str:
@@ -63,7 +64,7 @@ class GenericPlan:
         return validation_sizes(program)
 
     def constant_inputs(self) -> frozenset[str]:
-        return frozenset()
+        return self.constants
 
 
 def validation_sizes(program: ir.Program) -> dict[str, int]:
@@ -190,4 +191,5 @@ def plan_generic(front: FrontEnd, bindings: dict[str, int]) -> GenericPlan:
     tensors, scalars = tensor_arguments(program), scalar_arguments(program)
     return GenericPlan(FAMILY, program.name, origin_name(front.source.filename),
                        tuple(t.name for t in program.outputs), tuple(emitter.lines),
-                       (*tensors, *scalars), tuple(emitter.stabilised), emitter.solves)
+                       (*tensors, *scalars), tuple(emitter.stabilised), emitter.solves,
+                       constants=frozenset(t.name for t in program.inputs if t.dtype not in ir.FLOAT_DTYPES))
