@@ -15,16 +15,26 @@ The variants (`--variants`, default all, in this order) are the shipped specs be
 anchor row), sliding window W, document masking (per-token segment ids, causal within documents), prefix-LM,
 key/query padding, ALiBi (learned slope per head), learned temperature per head, an additive [head query key] bias,
 softcapping with document masking, a bidirectional window, and two other normalisers: spherical with a sliding
-window and causal sigmoid with ALiBi. Each variant's mask and score modifier are written once (`mask_mod(b, h, q, kv)`,
-`score_mod(s, b, h, q, kv)` in FlexAttention's convention); the same functions are FlexAttention's mods and, on
-broadcast index tensors, the dense formula that is the fp32 reference and the torch.compile baseline.
+window and causal sigmoid with ALiBi; then (issue 32, second session) causal softmax with a learned sink logit per
+head (`sink`, gpt-oss), softmax-plus-one (`plus_one`, b(z) = 1 + z, non-causal), MLA-style value width (`mla`: q, k
+of 192, v of 128, causal), QK-norm (`qk_norm`: RMS norm of q and k with learned gains, causal), cosine attention
+(`cosine`: l2-normalised q, k, learned temperature per head), a T5 relative-position table (`t5_bias`: [head 33]
+read at clamp(kv - q, -16, 16) + 16, causal) and elu + 1 feature maps of q and k (`feature_map`, causal softmax).
+Each variant's mask and score modifier are written once (`mask_mod(b, h, q, kv)`, `score_mod(s, b, h, q, kv)` in
+FlexAttention's convention); the same functions are FlexAttention's mods and, on broadcast index tensors, the dense
+formula that is the fp32 reference and the torch.compile baseline. A Q/K transform (`prologue(q, k, ex)`) and a sink
+(`sink(h, ex)`, the logit per head) are likewise one function each, in the dense formula and in FlexAttention's form
+(`flex_form`): the transform in PyTorch before flex_attention, the sink after it as O_flex * sigmoid(lse - sink)
+(Flex's lse is log Z in base e and differentiable: its backward takes the lse's gradient), the whole compiled as one
+function. Specs written at head dim 64 are loaded at 128 (`Variant.sizes`, ncd.load's size overrides).
 
 For each variant, in turn:
 
 1. Spec agreement (CPU, float64, B 2 H 3 N 37, window 8): the dense formula against `ncd.reference.evaluate` of the
    spec, so that the baselines compute the spec's own math (catches a bench formula that drifted from the spec).
 2. Correctness (bf16, B 2, H 4, N 1000, window 256; `--cpu`: B 2, H 2, N 70, window 16): ncd's output, dQ, dK,
-   dV and the gradient of every modifier parameter (ALiBi slope, temperature) against the dense formula in fp32,
+   dV and the gradient of every parameter (ALiBi slope, temperature, sink logit, QK-norm gains, T5 table) against
+   the dense formula in fp32,
    ||x - ref|| / ||ref|| < 1e-2, outputs NaN-poisoned before the call; the error of the same formula in eager bf16
    is printed beside it (the issue asks for no worse than 2x that; a note, not a failure). FlexAttention eager is
    checked against the same reference (forward), so the baseline computes the same thing.
@@ -33,7 +43,9 @@ For each variant, in turn:
    `torch.compile(flex_attention)` with the same score_mod/mask_mod and a BlockMask built once outside the timing
    (softmax), or `torch.compile` of the dense eager formula (bf16 scores, fp32 normaliser; other normalisers).
    Window 256; 8 documents of uneven length per sequence (fixed seed); prefix N/4; kv_len and q_len uniform in
-   [N/2, N]. The modifier parameters require grad on both sides.
+   [N/2, N]. The modifier parameters require grad on both sides. The baseline column names Flex's form: "Flex",
+   "Flex+lse sink" (the sink as above; if Flex's backward refused the lse's gradient, its f+b cell says why) or
+   "Flex+torch q,k" (the Q/K transform compiled with it).
 
 ncd's op is called as `op(Q, K, V, **others)`, the others by their names in the spec (op.signature), a scalar input
 left out where the bench's value is the spec's default. A variant whose spec does not load is reported in the
@@ -46,12 +58,16 @@ materialises [N, N] scores). Baselines are timed only for variants whose ncd op 
 Wall time (estimated, not measured: this script was written on a machine without a GPU): per variant ~20-40 s for
 loading the spec and its check (ncd's kernels compile at first call); per (variant, N) ~40-80 s, mostly the two
 torch.compile's of flex_attention (no grad, and forward+backward) for that mask and shape, plus ncd's autotuning at
-that shape. So all 12 variants at one N take ~15-25 minutes: split them over calls with `--variants`, e.g. (each
+that shape. So all 19 variants at one N take ~25-40 minutes: split them over calls with `--variants`, e.g. (each
 ~4-7 minutes at one N):
 
     --ns 16384 --variants causal,sliding_window,document,softcap_document      # where block sparsity shows
     --quick --variants prefix_lm,padded,alibi,learned_temperature
     --quick --variants biased,bidirectional_window,sliding_window_spherical,alibi_sigmoid
+    --ns 1024,4096,16384 --variants sink,plus_one                              # the new ones: 2 per call, 3 N
+    --ns 1024,4096,16384 --variants qk_norm,cosine
+    --ns 1024,4096,16384 --variants mla,t5_bias
+    --ns 1024,4096,16384 --variants feature_map,causal                         # causal: the anchor row
 
 `--budget-s` (default 420; none with --cpu) starts no new variant and no new (variant, N) after that many seconds
 from the start, so one call under a 600 s limit prints its tables; the rows left show "skipped (budget)". The log
@@ -101,10 +117,14 @@ ON_GPU = "--cpu" not in sys.argv[1:]  # as TRITON_INTERPRET above; main's --cpu 
 Ex = dict[str, Any]  # a variant's inputs and parameters after Q, K, V, by their names in the spec
 MaskMod = Callable[[Any, Any, Any, Any, Ex], Any]  # (b, h, q, kv, ex) -> bool
 ScoreMod = Callable[[Any, Any, Any, Any, Any, Ex], Any]  # (s, b, h, q, kv, ex) -> score
+SinkFn = Callable[[Any, Ex], Any]  # (h, ex) -> the sink logit per head, broadcast over h's shape
+Prologue = Callable[[Any, Any, Ex], tuple[Any, Any]]  # (q, k, ex) -> the q, k that the scores read
 
 CAP = 30.0  # softcap_document_softmax.ncd's `const cap`
 DOCS = 8  # documents per sequence
 WINDOW = 256
+T5_R = 16  # t5_bias_softmax.ncd: the table's 2R + 1 entries, read at clamp(key - query, -R, R) + R
+MLA_DIM, MLA_DIM_V = 192, 128  # mla_style_softmax.ncd's `axis dim`, `axis vdim`
 
 
 # ----------------------------------------------------------------------------------------------- the variants
@@ -149,6 +169,49 @@ def additive_bias(s, b, h, q, kv, ex):
 
 def softcap(s, b, h, q, kv, ex):
     return CAP * torch.tanh(s / CAP)
+
+
+def t5_bias(s, b, h, q, kv, ex):
+    return s + ex["table"][h, torch.clamp(kv - q, -T5_R, T5_R) + T5_R]
+
+
+# A sink (sink_softmax.ncd's `sink = sink`; b(z) = 1 + z is a sink of logit 0): one more entry of the softmax's sum,
+# exp(sink_h), with no value. FlexAttention has none: its form is O_flex * sigmoid(lse - sink_h) (flex_full).
+
+def sink_logit(h, ex):
+    return ex["sink"][h]
+
+
+def plus_one(h, ex):
+    return torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+
+
+# Q/K transforms (the specs' Qn, Kn): computed in float32 (float64 for float64 inputs), handed on in the inputs'
+# dtype, as ncd's prologue does (ncd/families/attention/prologue.py); the same functions for FlexAttention's form.
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def qk_rms_norm(q, k, ex):
+    def norm(x, gain):
+        x32 = _acc(x)
+        return (gain * x32 / torch.sqrt((x32 * x32).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    return norm(q, ex["gq"]), norm(k, ex["gk"])
+
+
+def l2_normalise(q, k, ex):
+    def norm(x):
+        x32 = _acc(x)
+        return (x32 / torch.sqrt(torch.clamp_min((x32 * x32).sum(-1, keepdim=True), 1e-12))).to(x.dtype)
+    return norm(q), norm(k)
+
+
+def elu_plus_one(q, k, ex):
+    def phi(x):
+        x32 = _acc(x)
+        return torch.where(x32 > 0, x32 + 1, torch.exp(torch.clamp_max(x32, 0.0))).to(x.dtype)
+    return phi(q), phi(k)
 
 
 @dataclass(frozen=True)
@@ -208,6 +271,25 @@ def bias_table(shape: Shape, gen: torch.Generator) -> Ex:
     return {"bias": bias}  # an `in` of the spec: no gradient asked for
 
 
+def sink_logits(shape: Shape, gen: torch.Generator) -> Ex:
+    """A learned sink logit per head, around 1 (a few percent of a long row's weight, most of an early row's)."""
+    return {"sink": (1.0 + torch.randn(shape.heads, generator=gen)).to(shape.device).requires_grad_()}
+
+
+def qk_gains(shape: Shape, gen: torch.Generator) -> Ex:
+    return {name: (1.0 + 0.1 * torch.randn(DIM, generator=gen)).to(shape.device).requires_grad_()
+            for name in ("gq", "gk")}
+
+
+def cosine_temperatures(shape: Shape, gen: torch.Generator) -> Ex:
+    """Swin V2's logit scale, learned per head: cosines in [-1, 1] times 5..15."""
+    return {"tau": (5.0 + 10.0 * torch.rand(shape.heads, generator=gen)).to(shape.device).requires_grad_()}
+
+
+def t5_table(shape: Shape, gen: torch.Generator) -> Ex:
+    return {"table": (0.5 * torch.randn(shape.heads, 2 * T5_R + 1, generator=gen)).to(shape.device).requires_grad_()}
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -218,10 +300,22 @@ class Variant:
     normaliser: str = "softmax"  # "softmax", "spherical" (x, x^2, sqrt) or "sigmoid" (sigmoid, sigmoid, z)
     scale: float = DIM**-0.5  # multiplies Q . K before `score` (the spec's default scale)
     batch_mask: bool = False  # the mask reads per-sequence tensors: the BlockMask is per batch
+    sink: SinkFn | None = None  # softmax with a sink logit per head (normalize's `sink =`, or b(z) = 1 + z)
+    prologue: Prologue | None = None  # q, k transformed before the scores
+    dim: int = DIM  # the head dim of q and k
+    dim_v: int = DIM  # of v and the output
+    sizes: tuple[tuple[str, int], ...] = ()  # ncd.load's size overrides (a spec written at head dim 64)
 
     @property
     def softmax(self) -> bool:
         return self.normaliser == "softmax"
+
+    @property
+    def baseline(self) -> str:
+        """The baseline's label in the tables: FlexAttention's form, or torch.compile of the dense formula."""
+        if not self.softmax:
+            return "compile"
+        return "Flex" + ("+lse sink" if self.sink else "") + ("+torch q,k" if self.prologue else "")
 
 
 VARIANTS = {v.name: v for v in (
@@ -242,14 +336,25 @@ VARIANTS = {v.name: v for v in (
             normaliser="spherical", scale=1.0),
     Variant("alibi_sigmoid", "alibi_sigmoid.ncd", mask=causal, score=alibi, inputs=alibi_slopes,
             normaliser="sigmoid"),
+    Variant("sink", "sink_softmax.ncd", mask=causal, sink=sink_logit, inputs=sink_logits, sizes=(("dim", DIM),)),
+    Variant("plus_one", "softmax_plus_one.ncd", sink=plus_one, sizes=(("dim", DIM),)),
+    Variant("mla", "mla_style_softmax.ncd", mask=causal, dim=MLA_DIM, dim_v=MLA_DIM_V, scale=MLA_DIM**-0.5),
+    Variant("qk_norm", "qk_norm_softmax.ncd", mask=causal, prologue=qk_rms_norm, inputs=qk_gains),
+    Variant("cosine", "cosine_attention.ncd", score=temperature, prologue=l2_normalise, inputs=cosine_temperatures,
+            scale=1.0),
+    Variant("t5_bias", "t5_bias_softmax.ncd", mask=causal, score=t5_bias, inputs=t5_table, sizes=(("dim", DIM),)),
+    Variant("feature_map", "feature_map_softmax.ncd", mask=causal, prologue=elu_plus_one),
 )}
 
 
 def dense(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex: Ex) -> torch.Tensor:
     """The variant as one writes it in PyTorch: dense [B H N N] scores from q k^T in the inputs' dtype, the modifier,
     mask and normaliser in fp32 (float64 for float64 inputs), weights cast back for the product with V. Fully
-    masked rows give 0 (and no NaN in any gradient). fp32 inputs: the reference; bf16: the eager baseline."""
+    masked rows give 0 (and no NaN in any gradient). fp32 inputs: the reference; bf16: the eager baseline. A Q/K
+    prologue runs first (fp32, handed on in the inputs' dtype); a sink is one more entry of the softmax's sum."""
     acc = torch.promote_types(q.dtype, torch.float32)
+    if variant.prologue is not None:
+        q, k = variant.prologue(q, k, ex)
     batch, heads, n_q, n_k = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     b = torch.arange(batch, device=q.device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=q.device).view(1, -1, 1, 1)
@@ -260,7 +365,13 @@ def dense(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e
         s = variant.score(s, b, h, i, j, ex)
     keep = (variant.mask(b, h, i, j, ex) if variant.mask is not None
             else torch.ones((), dtype=torch.bool, device=q.device)).expand(s.shape)
-    if variant.normaliser == "softmax":
+    if variant.normaliser == "softmax" and variant.sink is not None:
+        sink = torch.as_tensor(variant.sink(h, ex)).to(acc).expand(batch, heads, n_q, 1)
+        s = torch.where(keep, s, float("-inf"))
+        m = torch.maximum(s.amax(-1, keepdim=True), sink).detach()  # finite: the sink is in every row
+        e = torch.exp(s - m)
+        w, den = e / (e.sum(-1, keepdim=True) + torch.exp(sink - m)), None
+    elif variant.normaliser == "softmax":
         some = keep.any(-1, keepdim=True)
         s = torch.where(keep, s, torch.where(some, float("-inf"), 0.0))  # a fully masked row: finite, then zeroed
         w, den = torch.where(keep, torch.softmax(s, -1), 0.0), None
@@ -291,6 +402,37 @@ def flex_mods(variant: Variant, ex: Ex) -> tuple[Callable | None, Callable | Non
     return score_mod, mask_mod
 
 
+_AUX_REQUEST = getattr(torch.nn.attention.flex_attention, "AuxRequest", None)  # torch >= 2.9
+LSE_REQUEST = _AUX_REQUEST(lse=True) if _AUX_REQUEST is not None else None  # built once, outside compiled code
+
+
+def flex_lse(flex_fn, q, k, v, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """flex_attention's output and its log-sum-exp of the (modified, masked) scores, [B H N], natural log (Flex's
+    frontend rescales its kernels' base-2 statistics) and differentiable (Flex's backward takes a grad_logsumexp)."""
+    if LSE_REQUEST is not None:
+        o, aux = flex_fn(q, k, v, return_aux=LSE_REQUEST, **kwargs)
+        return o, aux.lse
+    return flex_fn(q, k, v, return_lse=True, **kwargs)  # older: return_lse (deprecated since)
+
+
+def flex_form(variant: Variant, ex: Ex, score_mod, bm, flex_fn) -> Callable:
+    """FlexAttention's form of the variant, as (q, k, v) -> o: the Q/K prologue in PyTorch, then `flex_fn`
+    (flex_attention) with the variant's score_mod and BlockMask, then a sink as the standard epilogue:
+    O = O_flex * Z / (Z + exp(sink)) = O_flex * sigmoid(lse - sink) per row. Only plain functions and tensors in
+    the closure, so that torch.compile of it traces the whole (prologue and epilogue fused by Inductor)."""
+    prologue, sink, scale = variant.prologue, variant.sink, variant.scale
+
+    def run(q, k, v):
+        if prologue is not None:
+            q, k = prologue(q, k, ex)
+        if sink is None:
+            return flex_fn(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale)
+        o, lse = flex_lse(flex_fn, q, k, v, score_mod=score_mod, block_mask=bm, scale=scale)
+        logit = sink(torch.arange(q.shape[1], device=q.device).view(1, -1, 1), ex).to(lse.dtype)
+        return (o.to(lse.dtype) * torch.sigmoid(lse - logit).unsqueeze(-1)).to(o.dtype)
+    return run
+
+
 def block_mask(variant: Variant, ex: Ex, shape: Shape):
     mask_mod = flex_mods(variant, ex)[1]
     if mask_mod is None:
@@ -317,7 +459,7 @@ def load(variant: Variant, log) -> Loaded:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            op = ncd.load(SPEC_DIR / variant.spec)
+            op = ncd.load(SPEC_DIR / variant.spec, sizes=dict(variant.sizes) or None)
         except Exception as exc:
             log(f"load {variant.name}: {traceback.format_exc(limit=-6)}")
             return Loaded(error=f"ncd: {first_line(exc)}")
@@ -365,9 +507,10 @@ class Check:
 
 
 def _inputs(variant: Variant, shape: Shape, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v and the output's gradient dO (q, k of width variant.dim; v, dO of variant.dim_v)."""
     gen = torch.Generator(shape.device).manual_seed(seed)
-    return tuple(torch.randn(shape.batch, shape.heads, shape.n, DIM, device=shape.device, dtype=DTYPE, generator=gen)
-                 for _ in range(4))
+    return tuple(torch.randn(shape.batch, shape.heads, shape.n, dim, device=shape.device, dtype=DTYPE, generator=gen)
+                 for dim in (variant.dim, variant.dim, variant.dim_v, variant.dim_v))
 
 
 def params(ex: Ex) -> dict[str, torch.Tensor]:
@@ -392,12 +535,12 @@ def spec_agreement(variant: Variant) -> str:
     "" when they agree, else what differs."""
     shape = Shape(2, 3, 37, 8, "cpu")
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(shape.batch, shape.heads, shape.n, DIM, dtype=torch.float64, generator=gen)
-               for _ in range(3))
+    q, k, v = (torch.randn(shape.batch, shape.heads, shape.n, dim, dtype=torch.float64, generator=gen)
+               for dim in (variant.dim, variant.dim, variant.dim_v))
     ex = _fresh(variant.inputs(shape, gen), torch.float64)
     with torch.no_grad():
         ours = dense(variant, q, k, v, ex)
-        front = ncd.load_spec(SPEC_DIR / variant.spec)
+        front = ncd.load_spec(SPEC_DIR / variant.spec, sizes=dict(variant.sizes) or None)
         theirs = next(iter(ncd.reference.evaluate(front.program, {"Q": q, "K": k, "V": v, **ex}).values()))
     err = ((ours - theirs).norm() / theirs.norm()).item()
     return "" if err < 1e-9 else f"bench formula differs from the spec's reference: rel err {err:.2e}"
@@ -431,11 +574,11 @@ def check(variant: Variant, loaded: Loaded, shape: Shape, log) -> Check:
     result.eager = {n: rel_err(x, r) for n, x, r in zip(names, eager, ref, strict=True)}
     if variant.softmax:
         try:
-            score_mod = flex_mods(variant, _fresh(ex, torch.float32))[0]
+            ex_flex = _fresh(ex, torch.float32)
+            score_mod = flex_mods(variant, ex_flex)[0]
             bm = block_mask(variant, ex, shape)
             with torch.no_grad():
-                o_flex = flex_attention(q.float(), k.float(), v.float(), score_mod=score_mod, block_mask=bm,
-                                        scale=variant.scale)
+                o_flex = flex_form(variant, ex_flex, score_mod, bm, flex_attention)(q.float(), k.float(), v.float())
             err = rel_err(o_flex, ref[0])
             result.flex = f"o={err:.1e}" + ("" if err < TOL else " FAIL")
             result.ok &= err < TOL
@@ -569,8 +712,14 @@ def time_shape(variant: Variant, loaded: Loaded, shape: Shape, flex, compiled_de
         log(f"block mask {variant.name} N={shape.n}: {time.time() - t0:.1f} s"
             + (f", sparsity {bm.sparsity():.1f}%" if bm is not None else ", none"))
 
-        def theirs(q_, k_, v_):
-            return flex(q_, k_, v_, score_mod=score_mod, block_mask=bm, scale=variant.scale)
+        theirs: Callable
+        if variant.prologue is None and variant.sink is None:
+            def theirs(q_, k_, v_):
+                return flex(q_, k_, v_, score_mod=score_mod, block_mask=bm, scale=variant.scale)
+        else:  # prologue, flex_attention and epilogue compiled as one function (eager on the CPU)
+            theirs = flex_form(variant, ex, score_mod, bm, flex_attention)
+            if ON_GPU:
+                theirs = torch.compile(theirs, dynamic=False)
         rows.append(time_case("flex", "fwd", fwd(theirs), grads, base, log))
         if ON_GPU:
             rows.append(time_case("flex", "fwdbwd", fwdbwd(theirs), grads, base, log))
@@ -632,8 +781,9 @@ def timing_table(rows: list[dict], skipped: list[tuple[str, int, str]], not_time
     keys = list(dict.fromkeys((r["variant"], r["n"], r["batch"]) for r in rows))
     log("")
     log("ms (median); ratio = baseline ms / ncd ms (> 1: ncd faster). Baseline: torch.compile(flex_attention) with "
-        "its BlockMask (softmax), torch.compile of the dense eager formula (others). Targets: softmax >= 1.0x Flex "
-        "fwd and fwd+bwd; others >= 3x torch.compile fwd+bwd")
+        "its BlockMask (softmax; +lse sink: O * sigmoid(lse - sink) on Flex's lse; +torch q,k: q, k transformed in "
+        "PyTorch first, compiled with Flex), torch.compile of the dense eager formula (others). Targets: softmax "
+        ">= 1.0x Flex fwd and fwd+bwd; others >= 3x torch.compile fwd+bwd")
     log("| variant | N | B | baseline | ncd fwd | base fwd | ratio fwd | ncd f+b | base f+b | ratio f+b | target | "
         "met |")
     log("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -655,14 +805,14 @@ def timing_table(rows: list[dict], skipped: list[tuple[str, int, str]], not_time
             met = "-"
         else:
             met = "yes" if all((ratios[m] or 0.0) >= goal for m in modes) else "no"
-        label = "Flex" if variant.softmax else "compile"
+        label = variant.baseline
         same = nb is not None and nf is not None and nb.get("ms") is None and nb.get("note") == nf.get("note")
         cells = [name, str(n), str(batch), label, _ms(nf) if nf else not_timed.get(name, "-"), _ms(bf),
                  _fmt_ratio(ratios["fwd"]), "(as fwd)" if same else _ms(nb), _ms(bb), _fmt_ratio(ratios["fwdbwd"]),
                  target_text(variant), met]
         log("| " + " | ".join(cells) + " |")
     for name, n, why in skipped:
-        label = "Flex" if VARIANTS[name].softmax else "compile"
+        label = VARIANTS[name].baseline
         log(f"| {name} | {n} | - | {label} | {why} | - | - | - | - | - | {target_text(VARIANTS[name])} | "
             "no: not timed |")
 
@@ -681,7 +831,8 @@ def result_rows(rows: list[dict], passed: set[str], flex_label: str):
         if r["impl"] != "ncd" or r["variant"] not in passed:
             continue
         variant = VARIANTS[r["variant"]]
-        base_impl, label = ("flex", flex_label) if variant.softmax else ("compile", "torch.compile")
+        base_impl, label = (("flex", flex_label + variant.baseline.removeprefix("Flex")) if variant.softmax
+                            else ("compile", "torch.compile"))
         other = by.get((r["variant"], r["n"], base_impl, r["mode"]))
         if other is None:
             continue
