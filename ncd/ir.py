@@ -5,8 +5,8 @@ re-checks the invariants every pass must keep, and `Program.graph()` is the data
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
-from typing import Union
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Union
 
 import networkx as nx
 import sympy
@@ -263,6 +263,15 @@ def children(node: Node) -> Iterator[Node]:
         value = getattr(node, f.name)
         if isinstance(value, Node.__args__):  # type: ignore[attr-defined]
             yield value
+
+
+def substitute(node: Node, name: str, value: Node) -> Node:
+    """`node` with every Var(name) replaced by `value` (an inline function's body composed with another's)."""
+    if isinstance(node, Var) and node.name == name:
+        return value
+    changes: dict[str, Any] = {f.name: substitute(v, name, value) for f in fields(node)
+                               if isinstance(v := getattr(node, f.name), Node.__args__)}  # type: ignore[attr-defined]
+    return replace(node, **changes) if changes else node
 
 
 def walk(node: Node) -> Iterator[Node]:

@@ -273,7 +273,7 @@ def _certify_definition(program: ir.Program, d: ir.Definition) -> Certificate | 
     axis = value.over[0]
     for weights in (ir.inline(program, value.lhs), ir.inline(program, value.rhs)):
         if isinstance(weights, ir.Normalize) and weights.over == axis:
-            return _from_normalize(program, d, weights)
+            return _from_normalize(program, d, collapse_chain(program, weights))
         aggregates = [n for n in ir.walk(weights) if isinstance(n, ir.Reduce) and axis in n.over]
         # (an aggregate of inputs alone normalises no scores: QK-norm's q / |q| contracted with k is a score, whose
         # normalised operand the attention prologue computes, families/attention/prologue.py)
@@ -362,6 +362,37 @@ def _split_scale(pre: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
     if X not in c.free_symbols and c.is_positive:
         return c, X
     return sympy.Integer(1), pre
+
+
+def collapse_chain(program: ir.Program, norm: ir.Normalize) -> ir.Normalize:
+    """normalize(normalize(S, over a, f), over a, g) as one normalize, where it reduces to one: g's maps homogeneous,
+    g.a1(c x) = c^p g.a1(x), g.a2(c x) = c^q g.a2(x), and g.b(c^q z) = c^p g.b(z). The inner row's 1 / f.b(z) is then
+    a common factor c of every entry, which cancels: a1 = g.a1 o f.a1, a2 = g.a2 o f.a1, b = g.b, the masks joined
+    (a masked entry is 0 inside, and g's maps are 0 at 0). A normalize of anything else is returned as it is; a chain
+    that does not reduce is an error with its place."""
+    inner = ir.inline(program, norm.arg)
+    if not isinstance(inner, ir.Normalize) or inner.over != norm.over:
+        return norm
+    if any(n is not None for n in (inner.weight, norm.weight, inner.sink, norm.sink)):
+        raise NotStreamable(norm.span, detail="chained normalisers with a weight or a sink are not reduced to one",
+                            hint="write the one normalize they compute")
+    axes = {a.name: a for a in program.axes}
+    g1, g2 = lambda_to_sympy(norm.a1, X, axes), lambda_to_sympy(norm.a2, X, axes)
+    gb = lambda_to_sympy(norm.b, Z, axes)
+    degrees = [sympy.simplify(X * sympy.diff(f, X) / f) for f in (g1, g2)]
+    homogeneous = all(not p.free_symbols and p.is_positive for p in degrees) and sympy.simplify(
+        gb.subs(Z, _T ** degrees[1] * Z) - _T ** degrees[0] * gb) == 0
+    if not homogeneous:
+        raise NotStreamable(norm.span, detail=f"this normalize of a normalize over '{norm.over}' does not reduce to "
+                            f"one: the outer maps a1(x) = {g1}, a2(x) = {g2}, b(z) = {gb} are not homogeneous of "
+                            "matching degrees, so the inner row's normaliser does not cancel",
+                            hint="outer maps such as a1(x) = x, a2(x) = x, b(z) = z (a renormalisation) reduce")
+    a1 = ir.Lambda(inner.a1.param, ir.substitute(norm.a1.body, norm.a1.param, inner.a1.body), norm.a1.span)
+    a2 = ir.Lambda(inner.a1.param, ir.substitute(norm.a2.body, norm.a2.param, inner.a1.body), norm.a2.span)
+    masks = [m for m in (inner.mask, norm.mask) if m is not None]
+    mask = masks[0] if len(masks) == 1 else ir.Binary("and", masks[0], masks[1], norm.axes, norm.span) \
+        if masks else None
+    return ir.Normalize(inner.arg, norm.over, a1, a2, norm.b, mask, None, norm.axes, norm.span)
 
 
 def _from_normalize(program: ir.Program, d: ir.Definition, norm: ir.Normalize) -> Certificate:

@@ -255,3 +255,43 @@ def test_the_row_statistic_is_a_second_differentiable_output(spec):
     ((want_o * go.double()).sum() + (torch.where(live, want_lse, 0) * gl.double()).sum()).backward()
     for name in names:
         assert _rel(leaves[name].grad, exact[name].grad) < TOL, f"d{name}"
+
+
+CHAIN = """
+S[batch head query key] = 1 / sqrt(size(dim)) * (Q . K over dim)
+P[batch head query key] = normalize(S, over key, a1(x) = exp(x), a2(x) = exp(x), b(z) = z, mask = key <= query)
+A[batch head query key] = normalize(P, over key, a1(p) = p, a2(p) = p, b(z) = z{outer})
+out O[batch head query dim] = A . V over key
+"""
+
+
+@pytest.mark.parametrize("outer", ["", ", mask = key >= query - 6"])
+def test_two_chained_normalisers_that_reduce_to_one_compile_to_the_kernels(tmp_path, outer):
+    """A softmax renormalised to sum 1 (a1 = a2 = x, b = z: homogeneous, so the inner 1 / z cancels) is the softmax
+    itself, the two masks joined: the attention kernels run it, forward and every gradient against the formula."""
+    op = _compile(tmp_path, "chain" + str(len(outer)), CHAIN.format(outer=outer))
+    assert op.compiled.plan.family == "attention"
+    x = _inputs(NQ, NQ)
+    i, j = torch.arange(NQ).view(-1, 1), torch.arange(NQ).view(1, -1)
+    visible = (j <= i) & ((j >= i - 6) if outer else True)
+
+    def reference(Q, K, V):
+        return torch.softmax(_scores(Q, K).masked_fill(~visible, -torch.inf), -1) @ V
+
+    _check(op, x, reference, ("Q", "K", "V"))
+
+
+def test_a_chain_that_does_not_reduce_is_a_located_error(tmp_path):
+    """Outer b(z) = sqrt(z) with a1 = a2 = x: degrees 1 and 1/2 do not match, so the inner normaliser stays; the
+    attention family says so with the place, and the generic family computes the chain as written."""
+    path = tmp_path / "chain_sqrt.ncd"
+    chain = CHAIN.format(outer="").replace("b(z) = z)\nout", "b(z) = sqrt(z))\nout")
+    path.write_text("spec chain_sqrt\n" + HEADER + chain)
+    from ncd.families.attention.plan import plan_attention
+    from ncd.pipeline import front_end
+
+    with pytest.raises(NcdError) as err:
+        plan_attention(front_end(path.read_text(), "chain_sqrt.ncd"), {})
+    assert "chain_sqrt.ncd:11:" in str(err.value) and "does not reduce to one" in str(err.value)
+    op = ncd.load(path, cache_dir=tmp_path / "cache")
+    assert op.compiled.plan.family == "generic"

@@ -30,7 +30,7 @@ from ncd.families.attention.sinks import SinkPlan, UnsupportedSink, plan_sink
 from ncd.family import Decline
 from ncd.pipeline import FrontEnd
 from ncd.stable_exp import stable_triton_expr
-from ncd.streaming import Certificate, X, Z, certify
+from ncd.streaming import Certificate, X, Z, certify, collapse_chain
 
 
 class UnsupportedAttention(NotStreamable):
@@ -75,7 +75,7 @@ def roles(program: ir.Program, cert: Certificate) -> AttentionRoles:
     lhs, rhs = ir.inline(program, value.lhs), ir.inline(program, value.rhs)
     weights_node, v_node = (lhs, value.rhs) if _has_aggregate(lhs, axis) else (rhs, value.lhs)
     v = operand(program, v_node, "V")
-    norm = weights_node if isinstance(weights_node, ir.Normalize) else None
+    norm = collapse_chain(program, weights_node) if isinstance(weights_node, ir.Normalize) else None
     scores = [n for n in ir.walk_inlined(program, weights_node) if isinstance(n, ir.Contract)]
     score = scores[0]
     a, b = operand(program, score.lhs, "Q"), operand(program, score.rhs, "K")
@@ -415,7 +415,7 @@ def _normalize_of(program: ir.Program, cert: Certificate) -> ir.Normalize | None
     for side in (value.lhs, value.rhs):
         node = ir.inline(program, side)
         if isinstance(node, ir.Normalize):
-            return node
+            return collapse_chain(program, node)
     return None
 
 
