@@ -461,7 +461,7 @@ def _mask_hooks(ctx: _Context, mask: ir.Node | None, origin: str, description: l
         all_exact = all_exact and exact
         text = _readable(describe(interval, ctx.key if role == KEY else ctx.query), words, sizes) \
             if interval is not None \
-            else "not one interval: every block masked, none skipped"
+            else "not one interval at compile time"
         description.append(f"    {label}: {text}" + ("" if exact or interval is None else
                                                      " (outer bound of the conjuncts that are intervals: blocks "
                                                      "outside it skipped, every block inside masked)"))
