@@ -17,7 +17,7 @@ calls by the reference (`gather`) and the generic family (`emit_gather`), so bot
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import sympy
 import torch
@@ -452,23 +452,19 @@ def is_gather(program: ir.Program, node: ir.Load) -> bool:
 # --- evaluation: one walk, two back ends (tensors for the reference, code for the generic family) -----------------
 
 
-class _Ops:
-    """The operations an index is computed with; values are float64 tensors (or Python numbers)."""
+class _Ops(Protocol):
+    """The operations an index is computed with; values are float64 tensors (or Python numbers): `_TensorOps`
+    evaluates them, `_CodeOps` writes them as torch code."""
 
-    def number(self, value: float) -> Any:
-        raise NotImplementedError
+    def number(self, value: float) -> Any: ...
 
-    def tensor(self, value: Any) -> Any:
-        raise NotImplementedError
+    def tensor(self, value: Any) -> Any: ...
 
-    def call(self, fn: str, *args: Any) -> Any:
-        raise NotImplementedError
+    def call(self, fn: str, *args: Any) -> Any: ...
 
-    def keyword(self, name: str, value: Any) -> Any:
-        raise NotImplementedError
+    def keyword(self, name: str, value: Any) -> Any: ...
 
-    def infix(self, op: str, a: Any, b: Any) -> Any:
-        raise NotImplementedError
+    def infix(self, op: str, a: Any, b: Any) -> Any: ...
 
 
 _CALLS = {"Min": "torch.minimum", "Max": "torch.maximum", "floor": "torch.floor", "ceiling": "torch.ceil",
@@ -543,7 +539,7 @@ def _walk(e: sympy.Basic, leaf: Callable[[sympy.Symbol], Any], ops: _Ops) -> Any
     raise ValueError(f"no evaluation of {name} in an index")
 
 
-class _TensorOps(_Ops):
+class _TensorOps:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
@@ -567,7 +563,7 @@ class _TensorOps(_Ops):
                 "!=": lambda: a != b}[op]()
 
 
-class _CodeOps(_Ops):
+class _CodeOps:
     def number(self, value: float) -> Any:
         return repr(value) if value >= 0 or value != value else f"({value!r})"
 

@@ -278,11 +278,12 @@ class AttentionOp:
                  sizes: Mapping[str, int], *mods: Any, return_lse: bool = False) -> Any:
         """The output; with return_lse, (output, lse) where lse is the log of each row's sum z (FlashAttention's
         log-sum-exp for softmax) over the output's axes other than the value width, differentiable."""
-        if return_lse:
-            return self._with_lse(q, k, v, w, scale, sizes, *mods)
         if self.weight is not None and w is not None and torch.compiler.is_compiling():
             # the weight's gradient kernel runs in eager backwards only
             rt.check_constant(self.weight, w, "the per-key weight under torch.compile")
+        if return_lse and self.weight is not None and w is not None and w.requires_grad:
+            raise rt.CallError(None, detail=f"return_lse=True with a per-key weight '{self.weight}' that requires "
+                               "grad: its gradient kernel does not take the statistic's gradient; detach the weight")
         kq = q.permute(self.perms["q"])
         kk = k.permute(self.perms["k"])
         kv = v.permute(self.perms["v"])
@@ -292,40 +293,21 @@ class AttentionOp:
         else:
             kernel_scale = float(scale)
         inverse = self.perms["o_inverse"]
+        rows = [d for d in inverse if d != 3]  # lse: the output's axes without the value width, in the spec's order
         if 0 in kq.shape or 0 in kk.shape:  # empty batch, heads, queries, keys or head dim: nothing to launch
-            # (no keys: every row is masked, so 0, as docs/language.md defines)
+            # (no keys: every row is masked, so 0, as docs/language.md defines; its lse is -inf)
             o = rt.zero_result((kq.shape[0], kq.shape[1], kq.shape[2], kv.shape[3]), kq, kq, kk, kv, kw)
+            if return_lse:
+                return o.permute(inverse), torch.full(kq.shape[:3], float("-inf"), device=kq.device).permute(rows)
             return o.permute(inverse)
+        # the modifiers' tensors and scalars, their sizes, then the sink's logits
+        sized = (*(sizes[a] for a in self.mod_sizes),)
+        args = (*mods[:-1], *sized, mods[-1]) if self.sink_tensor else (*mods, *sized)
+        if return_lse:
+            o, lse, _, _ = self.with_lse(kq, kk, kv, kw, kernel_scale, *args)
+            return o.permute(inverse), lse.permute(rows)
         op = self.streamed
         if self.factorized is not None and self.ns["_use_factorized"](kq.shape[2], kk.shape[2],
                                                                       self.ns["head_tile"](kq.shape[3])):
             op = self.factorized  # the kernels' work is at the head tile
-        if self.sink_tensor:  # the sink's logits come last, after the modifiers' sizes
-            return op(kq, kk, kv, kw, kernel_scale, *mods[:-1], *(sizes[a] for a in self.mod_sizes),
-                      mods[-1])[0].permute(inverse)
-        if self.mod_tensors or self.mod_scalars or self.mod_sizes:
-            return op(kq, kk, kv, kw, kernel_scale, *mods, *(sizes[a] for a in self.mod_sizes))[0].permute(inverse)
-        return op(kq, kk, kv, kw, kernel_scale)[0].permute(inverse)
-
-    def _with_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, scale: Any,
-                  sizes: Mapping[str, int], *mods: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.weight is not None and w is not None and w.requires_grad:
-            raise rt.CallError(None, detail=f"return_lse=True with a per-key weight '{self.weight}' that requires "
-                               "grad: its gradient kernel does not take the statistic's gradient; detach the weight")
-        kq, kk, kv = q.permute(self.perms["q"]), k.permute(self.perms["k"]), v.permute(self.perms["v"])
-        kw = self._kernel_weight(w, sizes)
-        if self.scale_grad is not None:
-            kernel_scale, kq = rt.differentiable_scale(scale, kq, self.scale_grad)
-        else:
-            kernel_scale = float(scale)
-        inverse = self.perms["o_inverse"]
-        rows = [d for d in inverse if d != 3]  # the output's axes without the value width, in the spec's order
-        if 0 in kq.shape or 0 in kk.shape:  # nothing to launch: every row masked (output 0, lse -inf)
-            o = rt.zero_result((kq.shape[0], kq.shape[1], kq.shape[2], kv.shape[3]), kq, kq, kk, kv, kw)
-            return o.permute(inverse), torch.full(kq.shape[:3], float("-inf"), device=kq.device).permute(rows)
-        if self.sink_tensor:
-            args = (*mods[:-1], *(sizes[a] for a in self.mod_sizes), mods[-1])
-        else:
-            args = (*mods, *(sizes[a] for a in self.mod_sizes))
-        o, lse, _, _ = self.with_lse(kq, kk, kv, kw, kernel_scale, *args)
-        return o.permute(inverse), lse.permute(rows)
+        return op(kq, kk, kv, kw, kernel_scale, *args)[0].permute(inverse)
