@@ -410,13 +410,24 @@ class PersistentAutotuner(Autotuner):
         if pending.entry_id is not None and pending.device is not None and desc is not None:
             path = store(pending.device, pending.entry_id,
                          {"name": self.name, "kernel": self.label, "key": pending.key.text(), "config": desc,
-                          "ms": best_ms, "configs": pending.configs, "seconds": round(seconds, 3),
+                          "ms": best_ms, "configs": pending.configs, "timings": _timings(timings),
+                          "seconds": round(seconds, 3),
                           "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         where = f"; kept in {path}" if path is not None else ""
         pending.progress.close(f"ncd: tuned {label} in {seconds:.1f} s: {config_text(best)} ({best_ms:.3f} ms, "
                                f"best of {pending.configs}){where}")
         EVENTS.append(TuningEvent(self.label, pending.key.text(), "benchmarked", config_text(best), pending.configs,
                                   seconds, best_ms, path))
+
+
+def _timings(timings: dict) -> dict[str, float | None]:
+    """Every benchmarked config's median ms by its text (None: it did not run, e.g. out of shared memory), so that
+    the tuning file shows how close the others came."""
+    out: dict[str, float | None] = {}
+    for config, measured in timings.items():
+        ms = float(measured[0] if isinstance(measured, list | tuple) else measured)
+        out[config_text(config)] = round(ms, 4) if math.isfinite(ms) else None
+    return out
 
 
 def _match(entry: dict[str, Any] | None, configs: list) -> Any:

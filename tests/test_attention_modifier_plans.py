@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 import torch
+import triton
 
 import ncd
 from ncd.errors import CallError, NcdError
@@ -115,6 +116,25 @@ def test_kernels_that_add_modifier_gradients_start_every_run_from_zero():
     g.fill_(1.0)
     config.pre_hook({"G": (g, 1), "HEAD_DIM": 16, "BLOCK_M": 16, "BLOCK_N": 16, "Q": q, "K": q, "V": q, "O": q})
     assert torch.equal(g, torch.ones(3))  # the forward accumulates nothing
+
+
+def test_pruning_keeps_a_config_that_fits_the_shared_memory_when_every_tile_looks_too_large():
+    """fp32 at a 192-wide q/k head (tile 256) and a 128-wide value: every forward tile at the validation's small
+    lengths needs more shared memory than an H100 has (254,736 bytes against 232,448 on the GPU), and a lone config
+    is launched untimed; a single-stage 32 x 32 tile must join it. bf16 at head 128 keeps its list unchanged."""
+    from ncd.families.attention import kernel
+    from ncd.families.attention.config import DEFAULT_FORWARD_TILES
+
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "HEADS_FAST": 0}, num_warps=w, num_stages=s)
+               for m, n, w, s, *_ in DEFAULT_FORWARD_TILES]
+    small = {"Q_BUCKET": 64, "K_BUCKET": 64}
+    wide = kernel._prune(configs, {"Q": torch.zeros(1), **small}, HEAD_DIM=256, HEAD_DIM_V=128)
+    fits = [c for c in wide if kernel.shared_memory_estimate(c, 4 * 384) <= kernel.shared_memory_limit()]
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages) for c in fits] == [(32, 32, 1)]
+    assert len(wide) >= 2  # timed against the others: Triton skips the ones that do not fit
+    narrow = kernel._prune(configs, {"Q": torch.zeros(1, dtype=torch.bfloat16), "Q_BUCKET": 4096,
+                                     "K_BUCKET": 4096}, HEAD_DIM=128, HEAD_DIM_V=128)
+    assert narrow == configs
 
 
 def test_the_backward_skips_the_query_blocks_a_prefix_lm_key_never_sees():

@@ -414,6 +414,29 @@ address recompute."""
     mt.clear_cache()
 
 
+def test_a_cuda_graph_capture_builds_the_table_instead_of_finding_it_cached(monkeypatch):
+    """Under CUDA-graph capture the table's kernel must be launched, so that every replay rebuilds it from the mask
+    tensors' contents then: a model copies new document ids into its static inputs in place between replays, and a
+    cached table would silently keep the captured documents."""
+    mt.clear_cache()
+    module = _document_spec()
+    mask, outer = module.MAPS["MASK"], module._key_bound
+    q_doc, k_doc = _documents(4)
+
+    def rows():
+        return mt.row_ranges(mask, _context(k_doc, q_doc), N_Q, N_K, B, H, by_head=False, outer=outer)
+
+    warm = rows()
+    assert rows() is warm
+    monkeypatch.setattr(mt, "_capturing", lambda: True)
+    captured = rows()
+    assert captured is not warm and torch.equal(captured, warm)
+    assert rows() is not captured  # nor stored while capturing
+    monkeypatch.setattr(mt, "_capturing", lambda: False)
+    assert rows() is warm
+    mt.clear_cache()
+
+
 def test_tables_are_built_eagerly_and_cached_under_torch_compile():
     """torch.compile runs the host functions eagerly (a graph break): real pointers and versions, one cache entry
     for repeated calls, the same table as an eager call."""

@@ -118,6 +118,7 @@ def test_first_process_benchmarks_and_keeps_it_later_process_reads_it(device, tm
     (entry,) = data["entries"].values()
     assert entry["config"]["kwargs"] == {"BLOCK": 32} and entry["config"]["num_warps"] == 2
     assert entry["ms"] == TIMES[32] and entry["configs"] == 3
+    assert sorted(entry["timings"].values()) == sorted(TIMES[b] for b in (16, 32, 64))  # every config's time
     assert os.stat(tuning_dir(tmp_path)).st_mode & 0o777 == 0o700
 
     assert "ncd: tuned" in capsys.readouterr().err

@@ -593,12 +593,22 @@ def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, i, 
     dmod = 1.0
     if S.EXP2:
         qk = _dot(a, tl.trans(b), None, PRECISION)
-        if KEYS_ROWS:
+        if KEYS_ROWS:  # a1 = a2 = a1' = a2' = exp
             m = tl.load(m_base + offs_m, mask=in_q, other=0.0) * LOG2E
-        e = tl.math.exp2(qk * (scale * LOG2E) - _across(m, KEYS_ROWS))  # a1 = a2 = a1' = a2' = exp
-        dp = _dot(da, tl.trans(db), None, PRECISION)  # dO_i . v_j
-        p1 = e * _across(inv_b, KEYS_ROWS)
-        ds = e * (dp * _across(inv_b, KEYS_ROWS) - _across(delta, KEYS_ROWS))
+            e = tl.math.exp2(qk * (scale * LOG2E) - _across(m, KEYS_ROWS))
+            dp = _dot(da, tl.trans(db), None, PRECISION)  # dO_i . v_j
+            p1 = e * _across(inv_b, KEYS_ROWS)
+            ds = e * (dp * _across(inv_b, KEYS_ROWS) - _across(delta, KEYS_ROWS))
+        else:
+            # the dQ side folds 1 / b(z) into the exponent (m + log2 b(z); +inf for a masked row, whose p is then
+            # 0) and b(z) into delta, per row: two tile products fewer, 6-7% off the dQ kernel. The dK/dV side
+            # measured 30-40% slower so (H100, bench/log/2026-11-26-issue32-s3.md) and keeps the products.
+            live = inv_b != 0
+            safe_inv_b = tl.where(live, inv_b, 1.0)  # (m = -inf in a masked row: no inf - inf, no log of 0)
+            m_b = tl.where(live, m - tl.math.log2(safe_inv_b), float("inf"))
+            p1 = tl.math.exp2(qk * (scale * LOG2E) - m_b[:, None])  # e / b(z)
+            dp = _dot(da, tl.trans(db), None, PRECISION)  # dO_i . v_j
+            ds = p1 * (dp - tl.where(live, delta / safe_inv_b, 0.0)[:, None])
     else:
         s = _dot(a, tl.trans(b), None, PRECISION) * scale
         if S.HAS_SCORE:
@@ -1278,13 +1288,61 @@ def tile_configs(kind: str, tiles: tuple[Tile, ...]) -> list:
 def _prune(configs: list, named_args: dict, **kwargs: Any) -> list:
     """Drop tiles larger than the (power-of-two bucketed) sequence lengths. Where one config or none is left, the
     smallest tile is kept beside it: a lone config is launched untimed, and at fp32 and head dim 128 the one that
-    fits the lengths may not fit the shared memory (the autotuner skips a config that does not, among several)."""
+    fits the lengths may not fit the shared memory (the autotuner skips a config that does not, among several).
+    Where every kept config looks too large for the shared memory (fp32 at a 192-wide head: MLA), a small
+    single-stage tile joins them, so that one config always fits."""
     q_bucket, k_bucket = named_args["Q_BUCKET"], named_args["K_BUCKET"]
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= q_bucket and c.kwargs["BLOCK_N"] <= k_bucket]
     if len(kept) <= 1 and len(configs) > 1:
         smallest = min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))
         kept = [*kept, smallest] if smallest not in kept else kept
-    return kept or configs[-1:]
+    kept = kept or configs[-1:]
+    row_bytes = _element_bytes(named_args) * (kwargs.get("HEAD_DIM", 128) + kwargs.get("HEAD_DIM_V", 0))
+    limit = shared_memory_limit()
+    if all(shared_memory_estimate(c, row_bytes) > limit for c in kept):
+        base = kept[0]
+        kept = [*kept, triton.Config({**base.kwargs, "BLOCK_M": SAFE_TILE, "BLOCK_N": SAFE_TILE}, num_warps=4,
+                                     num_stages=1, pre_hook=base.pre_hook)]
+    return kept
+
+
+# rows and keys of the config that fits any head this family runs (fp32, 256 + 256 wide rows: 128 KiB by the
+# estimate below)
+SAFE_TILE = 32
+
+
+def shared_memory_estimate(config: Any, row_bytes: int) -> int:
+    """A rough upper bound of a config's shared memory: the pipelined tile (the smaller block) once per stage, the
+    resident one once, each row `row_bytes` wide (q and v, or k and v, or q and dO). A trigger for `_prune`'s
+    fallback, not a prediction: Triton's own count decides which configs run."""
+    rows = sorted((config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]))
+    return row_bytes * (config.num_stages * rows[0] + rows[1])
+
+
+def shared_memory_limit() -> int:
+    """The current device's shared memory per block (opt-in), or the H100's 232,448 bytes where unknown."""
+    if not torch.cuda.is_available():
+        return 232_448
+    index = torch.cuda.current_device()
+    if index not in _SHARED_MEMORY:
+        props = torch.cuda.get_device_properties(index)
+        _SHARED_MEMORY[index] = int(getattr(props, "shared_memory_per_block_optin", 232_448))
+    return _SHARED_MEMORY[index]
+
+
+_SHARED_MEMORY: dict[int, int] = {}
+
+
+def _element_bytes(named_args: dict) -> int:
+    """Bytes per element of the kernel's first tensor argument (Q, or dS for the dQ-from-dS kernel); 2 where
+    it is a bulk-copy descriptor (whose block holds no dtype here)."""
+    for value in named_args.values():
+        if isinstance(value, torch.Tensor):
+            return value.element_size()
+        base = getattr(value, "base", None)
+        if isinstance(base, torch.Tensor):
+            return base.element_size()
+    return 2
 
 
 # WORK (batch * query heads, rounded up to a power of two) is in the key so that a config tuned on a small call

@@ -20,7 +20,8 @@ keys (of queries, for the cols table) inside the compile-time outer bound, so th
 Given the table of the other direction, a scan also skips the positions whose own range misses the block (the
 cols table built after the rows table scans, for document masks, only the block's documents). The results are
 cached (a few entries, LRU) per mask tensor: repeated calls with the same tensors (the same storage, unchanged
-since: `tensor._version`), scalars and sizes return the same table, as one BlockMask serves every layer.
+since: `tensor._version`), scalars and sizes return the same table, as one BlockMask serves every layer; not
+during a CUDA-graph capture, where the table's kernel is captured so that each replay rebuilds it.
 
 `table_range` is the device function a generated KEY_RANGE / QUERY_RANGE hook calls to reduce a table over the
 kernel's block of rows; `table_context` gives the (pointer, strides) it reads. `segment_ids_from_cu_seqlens` turns
@@ -241,6 +242,13 @@ _CACHE: OrderedDict[tuple, tuple[tuple[weakref.ref, ...], torch.Tensor]] = Order
 _LOCK = threading.Lock()
 
 
+def _capturing() -> bool:
+    """A CUDA graph is being captured: the table's kernel must be launched (captured), not found in the cache, so
+    that each replay rebuilds the table from the mask tensors' contents then (a model updates its static inputs in
+    place between replays, which no version counter sees)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _fingerprint(context: Sequence[Any]) -> tuple[tuple, tuple[torch.Tensor, ...]] | None:
     """(key, tensors) of a context tuple, or None when it holds something the cache cannot tell apart (an
     inference tensor has no version counter, so an in-place change would go unseen)."""
@@ -304,7 +312,7 @@ def _ranges(kind: str, mask: Any, context: Sequence[Any], n_q: int, n_k: int, ba
         device = next((v.device for v in context if isinstance(v, torch.Tensor)), torch.device("cpu"))
     device = torch.device(device)
     blocks = INTERPRETER_BLOCKS if _interpreting() else GPU_BLOCKS
-    fingerprint = _fingerprint(context) if cache else None
+    fingerprint = _fingerprint(context) if cache and not _capturing() else None
     key = None
     if fingerprint is not None:
         key = (kind, mask, outer, n_q, n_k, dims, str(device), blocks, fingerprint[0])
