@@ -19,7 +19,8 @@ window and causal sigmoid with ALiBi; then (issue 32, second session) causal sof
 head (`sink`, gpt-oss), softmax-plus-one (`plus_one`, b(z) = 1 + z, non-causal), MLA-style value width (`mla`: q, k
 of 192, v of 128, causal), QK-norm (`qk_norm`: RMS norm of q and k with learned gains, causal), cosine attention
 (`cosine`: l2-normalised q, k, learned temperature per head), a T5 relative-position table (`t5_bias`: [head 33]
-read at clamp(kv - q, -16, 16) + 16, causal) and elu + 1 feature maps of q and k (`feature_map`, causal softmax).
+read at clamp(kv - q, -16, 16) + 16, causal), elu + 1 feature maps of q and k (`feature_map`, causal softmax) and
+(third session) T5's own log buckets (`t5_log`: [head 32], bidirectional buckets up to distance 128, no mask, scale 1).
 Each variant's mask and score modifier are written once (`mask_mod(b, h, q, kv)`, `score_mod(s, b, h, q, kv)` in
 FlexAttention's convention); the same functions are FlexAttention's mods and, on broadcast index tensors, the dense
 formula that is the fp32 reference and the torch.compile baseline. A Q/K transform (`prologue(q, k, ex)`) and a sink
@@ -175,6 +176,17 @@ def t5_bias(s, b, h, q, kv, ex):
     return s + ex["table"][h, torch.clamp(kv - q, -T5_R, T5_R) + T5_R]
 
 
+def t5_bucket(relative):
+    """T5's bidirectional buckets (32, max distance 128), as Hugging Face's `_relative_position_bucket`."""
+    distance = torch.abs(relative)
+    large = 8 + (torch.log(distance.float().clamp_min(1) / 8) / math.log(128 / 8) * 8).to(relative.dtype)
+    return (relative > 0).to(relative.dtype) * 16 + torch.where(distance < 8, distance, torch.clamp(large, max=15))
+
+
+def t5_log_bias(s, b, h, q, kv, ex):
+    return s + ex["table"][h, t5_bucket(kv - q)]
+
+
 # A sink (sink_softmax.ncd's `sink = sink`; b(z) = 1 + z is a sink of logit 0): one more entry of the softmax's sum,
 # exp(sink_h), with no value. FlexAttention has none: its form is O_flex * sigmoid(lse - sink_h) (flex_full).
 
@@ -290,6 +302,10 @@ def t5_table(shape: Shape, gen: torch.Generator) -> Ex:
     return {"table": (0.5 * torch.randn(shape.heads, 2 * T5_R + 1, generator=gen)).to(shape.device).requires_grad_()}
 
 
+def t5_log_table(shape: Shape, gen: torch.Generator) -> Ex:
+    return {"table": (0.5 * torch.randn(shape.heads, 32, generator=gen)).to(shape.device).requires_grad_()}
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -344,6 +360,8 @@ VARIANTS = {v.name: v for v in (
             scale=1.0),
     Variant("t5_bias", "t5_bias_softmax.ncd", mask=causal, score=t5_bias, inputs=t5_table, sizes=(("dim", DIM),)),
     Variant("feature_map", "feature_map_softmax.ncd", mask=causal, prologue=elu_plus_one),
+    Variant("t5_log", "t5_log_bucket_softmax.ncd", score=t5_log_bias, inputs=t5_log_table, scale=1.0,
+            sizes=(("dim", DIM),)),
 )}
 
 

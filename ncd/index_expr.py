@@ -581,6 +581,14 @@ class _CodeOps:
         return f"({a} {op} {b})"
 
 
+def torch_code(expr: sympy.Expr, name: str) -> str:
+    """PyTorch code of an index expression of one variable, printed as `name` (a float64 tensor; `_device` names
+    the device of the constants), by the walk the reference evaluates: the same operations, the same rounding.
+    ValueError for an expression the walk has no operation for."""
+    ops = _CodeOps()
+    return ops.tensor(_walk(expr, lambda s: name, ops))
+
+
 def _is_number_code(code: str) -> bool:
     try:
         float(code.strip("()"))

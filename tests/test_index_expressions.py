@@ -208,18 +208,59 @@ def test_t5_spec_passes_ncd_check(cache):
     assert all("dtable" in {r.quantity for r in report} for _, report in results)
 
 
-def test_attention_family_declines_a_log_bucket_index_with_the_reason(run_cli, tmp_path):
-    """T5's log buckets divide and take logarithms: in fp32 the kernels could pick another bucket than the float64
-    reference, so the attention family declines them (the generic family computes them in float64)."""
+T5_LOG_INDEX = ("table[head, where(key > query, 16, 0) + where(abs(key - query) < 8, abs(key - query),\n"
+                "    min(8 + floor(log(abs(key - query) / 8) / log(128 / 8) * (16 - 8)), 15))]")
+
+
+def test_log_buckets_of_key_minus_query_run_in_the_attention_kernels_through_an_offset_table(run_cli, tmp_path,
+                                                                                           cache):
+    """T5's log buckets divide and take logarithms, which fp32 kernel arithmetic could round into another bucket
+    than the float64 reference. As a function of key - query alone, the index becomes an int32 table over the
+    offsets, built at call time by the reference's own float64 walk: the attention kernels read the entry the
+    reference reads (every bucket of T5's, checked here over 562 offsets), and `ncd check` passes, table gradient
+    included."""
     spec = tmp_path / "t5_log.ncd"
     spec.write_text(T5_SPEC.read_text().replace("axis rel = 33", "axis rel = 32").replace(
+        "table[head, clamp(key - query, -16, 16) + 16]", T5_LOG_INDEX))
+    code, out, _ = run_cli("compile", str(spec), "--emit", "plan")
+    assert code == 0 and "kernel family: normalized-contraction attention" in out, out
+    assert "index table: table at" in out and "declined by attention" not in out
+    op = _load(spec, cache)
+    offsets = torch.arange(1 - NQ_LOG, NK_LOG, dtype=torch.float64)
+    table = op.module._offsets_0(offsets, torch.device("cpu"))
+    assert table.dtype == torch.int32 and torch.equal(table.long(), _t5_buckets(offsets.long()))
+    results = check_op(op, (torch.float32,), "cpu", seed=7)
+    failures = [f"{case.label} {row}" for case, report in results for row in report if not row.ok]
+    assert results and failures == []
+    assert all("dtable" in {r.quantity for r in report} for _, report in results)
+
+
+def test_a_log_bucket_index_read_twice_shares_one_offset_table(run_cli, tmp_path, cache):
+    """The table read twice at the same log index (a bias and its square): one offset table, one slot, and the op
+    still matches the float64 reference, gradient included."""
+    spec = tmp_path / "t5_log_twice.ncd"
+    spec.write_text(T5_SPEC.read_text().replace("axis rel = 33", "axis rel = 32").replace(
         "table[head, clamp(key - query, -16, 16) + 16]",
-        "table[head, where(abs(key - query) < 8, abs(key - query),\n"
-        "    min(8 + floor(log(abs(key - query) / 8) / log(128 / 8) * (16 - 8)), 15))]"))
+        f"{T5_LOG_INDEX} + 0.5 * {T5_LOG_INDEX} * {T5_LOG_INDEX}"))
+    code, out, _ = run_cli("compile", str(spec), "--emit", "plan")
+    assert code == 0 and out.count("index table: table at") == 1, out
+    op = _load(spec, cache)
+    assert hasattr(op.module, "_offsets_0") and not hasattr(op.module, "_offsets_1")
+    results = check_op(op, (torch.float32,), "cpu", seed=9, only=lambda case: case.label == "streamed / normal")
+    assert results and all(row.ok for _, report in results for row in report)
+
+
+def test_attention_family_declines_a_log_of_one_position_with_the_reason(run_cli, tmp_path):
+    """A log of the query position alone is no function of key - query: the attention family declines it (the
+    generic family computes it in float64)."""
+    spec = tmp_path / "log_query.ncd"
+    spec.write_text(T5_SPEC.read_text().replace("axis rel = 33", "axis rel = 32").replace(
+        "table[head, clamp(key - query, -16, 16) + 16]", "table[head, min(floor(log(query + 1)), 31)]"))
     code, out, _ = run_cli("compile", str(spec), "--emit", "plan")
     assert code == 0 and out.startswith("family: generic"), out
-    assert "declined by attention: t5_log.ncd:18:54:" in out and "which the attention kernels print only from " \
-           "positions, integers, + - *, min, max, clamp and abs" in out
+    assert "declined by attention: log_query.ncd:18:54:" in out and "which the attention kernels print only " \
+           "from positions, integers, + - *, min, max, clamp and abs (with a division or a log: of key - query " \
+           "alone)" in out
 
 
 NQ_LOG, NK_LOG = 300, 263  # distances to 299: every log bucket, and 64 (8 log(64 / 8) / log(16) = 6 exactly)

@@ -65,7 +65,9 @@ class Modifiers:
     tensors: tuple[ModTensor, ...]
     scalars: tuple[str, ...]  # scalar inputs the hooks read, in context order
     sizes: tuple[str, ...]  # axes whose call-time size the hooks read (besides query and key)
-    layout: tuple[tuple[str, str], ...]  # the context after (N_Q, N_K, GROUP): ("tensor" | "scalar" | "size", name)
+    # the context after (N_Q, N_K, GROUP): ("tensor" | "scalar" | "size" | "offsets", name); "offsets": the pointer
+    # of a call-time index table, built by the host function `name` in the source (`_Context.offset_table`)
+    layout: tuple[tuple[str, str], ...]
     source: str  # the device functions
     description: tuple[str, ...]
     # call-time range tables (mask_table.py) where a direction has no exact compile-time interval: (the mask reads
@@ -161,6 +163,9 @@ class _Context:
         self.scalars: dict[str, int] = {}
         self.sizes: dict[str, int] = {}
         self.layout: list[tuple[str, str]] = []
+        # the call-time index tables (`offset_table`): (host function, the plan's line)
+        self.offset_tables: list[tuple[str, str]] = []
+        self.offset_slots: dict[sympy.Expr, int] = {}
 
     def position(self, axis: str, span) -> str:
         role = self.roles.get(axis)
@@ -230,14 +235,60 @@ class _Context:
 
         positions = {s: sympy.Symbol(f"pos_{s.name}", integer=True, nonnegative=True)
                      for s in index.free_symbols if isinstance(s, Position)}
-        if any(isinstance(a, sympy.log | sympy.floor | sympy.ceiling) or (isinstance(a, sympy.Pow) and a.exp < 0)
-               for a in sympy.preorder_traversal(index)) or index.free_symbols - set(positions):
+        rounded = any(isinstance(a, sympy.log | sympy.floor | sympy.ceiling) or (isinstance(a, sympy.Pow) and
+                                                                                a.exp < 0)
+                      for a in sympy.preorder_traversal(index))
+        if rounded and not index.free_symbols - set(positions):
+            text = self.offset_table(index, load)
+            if text is not None:
+                return text, {QUERY, KEY}
+        if rounded or index.free_symbols - set(positions):
             raise UnsupportedModifier(load.span, detail=f"'{load.tensor}' is read at {index}, which the attention "
-                                      "kernels print only from positions, integers, + - *, min, max, clamp and abs",
+                                      "kernels print only from positions, integers, + - *, min, max, clamp and abs "
+                                      "(with a division or a log: of key - query alone)",
                                       hint="the generic family compiles it (division and log buckets included)")
         expr = index.subs(positions)
         text = _Printer(self.names(expr, {}), ints=True).doprint(expr)
         return f"({text})", {self.roles[s.name] for s in positions if s.name in self.roles}
+
+    def offset_table(self, index: sympy.Expr, load: ir.Load) -> str | None:
+        """An index of key - query alone that divides or takes a log (T5's log buckets) as a read of a call-time
+        int32 table over the offsets d = key - query in [1 - N_Q, N_K - 1] (None for any other index). The table is
+        computed in float64 by the reference's own walk of the expression, so the kernels read the entry the
+        reference reads; the offset is clamped into the table for the tiles' rows and keys past the ends."""
+        from ncd.index_expr import LOG_SLACK, Position, torch_code
+
+        by_role = {self.roles.get(s.name): s for s in index.free_symbols if isinstance(s, Position)}
+        query, key = by_role.get(QUERY), by_role.get(KEY)
+        if query is None or key is None or len(by_role) != 2:
+            return None
+        offset = sympy.Symbol("offset", integer=True)
+        reduced = index.subs(key, query + offset)
+        # the conditions of where(...) read key > query as query + offset > query: simplified alone, so that the
+        # arithmetic keeps the spec's form (and the reference's rounding)
+        relations = reduced.atoms(sympy.core.relational.Relational)
+        reduced = reduced.xreplace({r: sympy.simplify(r) for r in relations})
+        if reduced.free_symbols != {offset}:
+            return None
+        i, j = _ROLE_TEXT[QUERY], _ROLE_TEXT[KEY]
+        slot = self.offset_slots.get(reduced)
+        if slot is not None:  # the same index read again: the same table
+            return f"tl.load(C[{slot}] + tl.minimum(tl.maximum({j} - {i} + C[0] - 1, 0), C[0] + C[1] - 2))"
+        try:
+            code = torch_code(reduced, "_offset")
+        except ValueError:
+            return None
+        name = f"_offsets_{len(self.offset_tables)}"
+        self.offset_tables.append((
+            f"def {name}(_offset, _device):  # {load.span.origin}: {load.tensor}'s index, of key - query\n"
+            f"    # (as the reference: floor(log(...)) takes a value within {LOG_SLACK} of an integer as the integer)\n"
+            + fit("_index = ", code) + "\n    return _index.to(torch.int32)",
+            f"    index table: {load.tensor} at {index} ({load.span.origin}): an int32 table over key - query, built "
+            "at call time in float64 (as the reference)"))
+        slot = self.offset_slots[reduced] = self.slots
+        self.slots += 1
+        self.layout.append(("offsets", name))
+        return f"tl.load(C[{slot}] + tl.minimum(tl.maximum({j} - {i} + C[0] - 1, 0), C[0] + C[1] - 2))"
 
     @staticmethod
     def dimension(mod: ModTensor, d: int) -> str:
@@ -342,6 +393,9 @@ def derive(program: ir.Program, cert: Certificate, q_axes: tuple[str, ...], k_ax
                                     "scan stays inside it") for d in description]
         description.append("    blocks: from call-time range tables of the mask (mask_table.py: built once per mask "
                            "tensor, inside the bounds above, cached); exact per row and per key")
+    for function, line in ctx.offset_tables:  # host functions, beside the device ones
+        parts.append("\n\n" + function)
+        description.append(line)
     tensors = tuple(mod for mod, _ in sorted(ctx.tensors.values(), key=lambda m: m[1]))
     return Modifiers(cert.modifier is not None, True, tensors,
                      tuple(sorted(ctx.scalars, key=ctx.scalars.__getitem__)),

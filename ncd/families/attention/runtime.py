@@ -41,7 +41,9 @@ class AttentionOp:
         tensors, scalars, sizes, layout = modifiers
         order = [*(name for name, _, _ in tensors), *scalars, *sizes]  # the op's modifier arguments, in order
         # the context's entries after (N_Q, N_K, GROUP): (index into those arguments, a tensor: pointer and strides)
-        self.mod_layout = tuple((order.index(name), kind == "tensor") for kind, name in layout)
+        # ("offsets": a call-time index table over key - query, built by the generated host function of that name)
+        self.mod_layout = tuple((name if kind == "offsets" else order.index(name), kind) for kind, name in layout)
+        self._offset_tables: dict[tuple, torch.Tensor] = {}
         self.mod_tensors = tuple((name, int(dims), bool(grad)) for name, dims, grad in tensors)
         self.mod_scalars, self.mod_sizes = tuple(scalars), tuple(sizes)
         args = [*_ARGS, *(Arg(f"m_{name}", grad=grad) for name, _, grad in self.mod_tensors),
@@ -95,10 +97,26 @@ class AttentionOp:
         """C without the range tables: what the MASK hook and the compile-time bounds read."""
         values = (*tensors, *constants)
         context: list[Any] = [q.shape[2], k.shape[2], q.shape[1] // k.shape[1]]
-        for index, is_tensor in self.mod_layout:
-            value = values[index]
-            context += [value, *value.stride()] if is_tensor else [value]
+        for entry, kind in self.mod_layout:
+            if kind == "offsets":
+                context.append(self._offsets(str(entry), q.shape[2], k.shape[2], q.device))
+                continue
+            value = values[int(entry)]
+            context += [value, *value.stride()] if kind == "tensor" else [value]
         return tuple(context)
+
+    def _offsets(self, name: str, n_q: int, n_k: int, device: torch.device) -> torch.Tensor:
+        """The int32 table of an index over the offsets key - query = 1 - n_q .. n_k - 1 (one entry at least),
+        computed in float64 by the generated function `name`; kept per sizes and device (a few)."""
+        key = (name, n_q, n_k, device)
+        table = self._offset_tables.get(key)
+        if table is None:
+            offsets = torch.arange(1 - n_q, max(n_k, 2 - n_q), dtype=torch.float64, device=device)
+            table = self.ns[name](offsets, device).contiguous()
+            if len(self._offset_tables) >= 16:
+                self._offset_tables.clear()
+            self._offset_tables[key] = table
+        return table
 
     def _tables(self, q: torch.Tensor, k: torch.Tensor, context: tuple, columns: bool) -> list[Any]:
         """The rows table's and the columns table's (pointer, strides) for the range hooks (cached per mask)."""
