@@ -7,6 +7,7 @@ and every gradient (Q, K, V and the sink's logits), outputs NaN-poisoned (confte
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -85,6 +86,30 @@ def test_sink_softmax_spec_forward_and_every_gradient():
         return _softmax_with_sink(_scores(Q, K), sink.view(1, H, 1, 1).expand(B, H, NQ, 1), causal) @ V
 
     _check(op, x, reference, ("Q", "K", "V", "sink"))
+
+
+def test_the_streamed_forward_starts_from_the_sink_and_decoding_merges_it(monkeypatch):
+    """The streamed forward takes the sink as its rows' first state (no merge pass, o written in the inputs'
+    dtype); split-K decoding merges it after its combine. Both against gpt-oss's definition, the sink's gradient
+    included, with the merge counted."""
+    from ncd.families.attention import kernel_sink
+
+    merges = []
+    merge = kernel_sink.merge
+    monkeypatch.setattr(kernel_sink, "merge", lambda *a, **k: merges.append(1) or merge(*a, **k))
+    for mode, n_q, n_k, merged in (("never", NQ, NK, 0), ("always", 3, 70, 1)):
+        op = ncd.load(ROOT / "specs" / "sink_softmax.ncd", sizes={"dim": D})
+        monkeypatch.setattr(op.module, "CONFIG", dataclasses.replace(op.module.CONFIG, decode=mode))
+        x = _inputs(n_q, n_k, seed=3)
+        x["sink"] = torch.randn(H) * 2
+        causal = torch.ones(n_q, n_k, dtype=torch.bool).tril()  # the spec's key <= query
+
+        def reference(Q, K, V, sink, causal=causal, n_q=n_q):
+            return _softmax_with_sink(_scores(Q, K), sink.view(1, H, 1, 1).expand(B, H, n_q, 1), causal) @ V
+
+        merges.clear()
+        _check(op, x, reference, ("Q", "K", "V", "sink"))
+        assert len(merges) == merged, mode
 
 
 def test_softmax_plus_one_spec_matches_its_formula_at_large_logits():

@@ -432,6 +432,21 @@ def _fwd_inner(
 
 
 @triton.jit
+def sink_place(T, off_b, off_h, rows, in_q, stride_tb, stride_th, stride_tm, u_const, SINK_MAP: tl.constexpr,
+               HAS_T: tl.constexpr):
+    """(u, sigma) per row (fp32): a sink's place u (sinks.py: in the maps' domain with the running max, else the
+    value added to z) and its logit sigma (u_const and 0 for a constant sink)."""
+    if HAS_T:
+        sigma = tl.load(T + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th + rows * stride_tm,
+                        mask=in_q, other=0.0).to(tl.float32)
+        u = SINK_MAP(sigma)
+    else:
+        sigma = tl.zeros([rows.shape[0]], tl.float32)
+        u = sigma + u_const
+    return u, sigma
+
+
+@triton.jit
 def fwd_kernel(
     Q, K, V, W, O, Z, M,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -440,8 +455,9 @@ def fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_wb, stride_wn,
     scale, HQ, GROUP, N_Q, N_K, Q_BUCKET, K_BUCKET, WORK, C, G,
+    T, stride_tb, stride_th, stride_tm, sink_u,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV: tl.constexpr, PRECISION: tl.constexpr,
-    NEG_SCALE: tl.constexpr, UNIT_SCALE: tl.constexpr, TMA: tl.constexpr,
+    NEG_SCALE: tl.constexpr, UNIT_SCALE: tl.constexpr, TMA: tl.constexpr, SINK: tl.constexpr, SINK_MAP: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
     SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
@@ -452,7 +468,9 @@ def fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
     """One program per (query block, batch * query head); loops over key blocks. Q, K, V, O are TMA
-    descriptors of the [B, H, N, D] tensors (V, O: [B, H, N, DV]) when TMA, else pointers."""
+    descriptors of the [B, H, N, D] tensors (V, O: [B, H, N, DV]) when TMA, else pointers. SINK (1: the constant
+    place sink_u, 2: logits T [B, H, N_Q] by strides, u = SINK_MAP(logit)): the stream starts from the sink's state
+    (kernel_sink.py: acc 0, z a2(0), m u; plain sums: z u), so o comes out with the sink merged."""
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
                            HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
@@ -477,6 +495,16 @@ def fwd_kernel(
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     else:
         m = tl.zeros([BLOCK_M], dtype=tl.float32)  # no running max: the maps are evaluated at s itself
+    if SINK:
+        u, _ = sink_place(T, off_b, off_h, offs_m, in_q, stride_tb, stride_th, stride_tm, sink_u, SINK_MAP, SINK == 2)
+        if EXP2:
+            m = u * LOG2E
+            z = z + 1.0
+        elif ONLINE_MAX:
+            m = u
+            z = A2(z)
+        else:
+            z = u
 
     if HAS_MASK:  # the spec's mask: skip the key blocks it hides, run those it shows whole without it
         lo, full_lo, full_hi, hi = KEY_RANGE(offs_m, off_b, off_h, C)
@@ -1512,17 +1540,17 @@ class AttentionKernels:
         return context or ()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None = None,
-                scale: float | None = None, context: tuple | None = None, out_dtype: torch.dtype | None = None
-                ) -> tuple:
+                scale: float | None = None, context: tuple | None = None, sink: tuple | None = None) -> tuple:
         """o = attention(q, k, v); returns (o, stats) with stats = (z, m) for the backward (m: None without the
-        running max). context: what the spec's modifier hooks read (modifiers.py), None without. out_dtype: o's
-        (default q's; float32 where a sink merges into o after: kernel_sink.py)."""
+        running max). context: what the spec's modifier hooks read (modifiers.py), None without. sink: (logits as
+        a [B, H, N_Q] view or None, the constant place, u(logit)) of a sink the stream starts from
+        (kernel_sink.forward_sink)."""
         context = self._context(context)
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         value_dim = v.shape[3]
         scale = head_dim**-0.5 if scale is None else float(scale)
         online_max = self.config.online_max
-        o = self.new((batch, hq, n_q, value_dim), out_dtype or q.dtype, q.device)
+        o = self.new((batch, hq, n_q, value_dim), q.dtype, q.device)
         z = self.new((batch, hq, n_q), torch.float32, q.device)
         m = self.new((batch, hq, n_q), torch.float32, q.device) if online_max else None
         w_arg, w_strides = weight_arg(w, q)
@@ -1530,15 +1558,17 @@ class AttentionKernels:
         def grid(meta: dict) -> tuple:
             return grid_order(triton.cdiv(n_q, meta["BLOCK_M"]), batch * hq, meta)
 
-        tma = self.tma_ok(q, k, v, o) and o.dtype == q.dtype  # (an fp32 o's tile would not fit the bulk store)
+        tma = self.tma_ok(q, k, v, o)
         srcs = [descriptor(t, tma) for t in (q, k, v, o)]
+        logits, place, sink_map = sink if sink is not None else (None, 0.0, None)
+        sink_args = (logits, *logits.stride(), 0.0) if logits is not None else (z, 0, 0, 0, float(place))
         fast(self.fwd_kernel)[grid](
             srcs[0], srcs[1], srcs[2], w_arg, srcs[3], z, m if m is not None else z,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *w_strides,
             scale, hq, hq // hkv, n_q, n_k, bucket(n_q), bucket(n_k), bucket(batch * hq), context, (),
-            HEAD_DIM=head_tile(head_dim), D=head_dim, HEAD_DIM_V=head_tile(value_dim), DV=value_dim,
-            PRECISION=self.precision(q.dtype), NEG_SCALE=scale < 0,
-            UNIT_SCALE=scale == 1.0, TMA=tma, **self.spec,
+            *sink_args, HEAD_DIM=head_tile(head_dim), D=head_dim, HEAD_DIM_V=head_tile(value_dim), DV=value_dim,
+            PRECISION=self.precision(q.dtype), NEG_SCALE=scale < 0, UNIT_SCALE=scale == 1.0, TMA=tma,
+            SINK=0 if sink is None else 1 if logits is None else 2, SINK_MAP=sink_map or identity, **self.spec,
         )
         return o, (z, m)
 

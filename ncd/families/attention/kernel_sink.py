@@ -8,8 +8,10 @@ partial state of the streamed accumulator, (acc, z, m) = (0, a2(0), u) at its pl
     m' = max(m, u),  acc' = acc a1(m - m'),  z' = z a2(m - m') + a2(u - m')        (running max)
     z' = z + u                                                                      (plain sums: u = a2(sigma))
 
-`merge` applies it to a finished forward (o = acc / b(z) comes back as o b(z) a1(m - m') / b(z')), so every form
-of the forward serves, and the saved (z', m') make the backward kernels' P and delta include the sink unchanged:
+The streamed forward starts each row from that state (`forward_sink`: kernel.py's SINK), so o comes out merged,
+rounded once and stored by bulk copies. `merge` applies it to a finished forward instead (o = acc / b(z) comes
+back as o b(z) a1(m - m') / b(z')), for the split-K decoding path. Either way the saved (z', m') make the backward
+kernels' P and delta include the sink unchanged:
 its value is 0, so it adds nothing to dV, dQ or dK. Its own gradient is that of a key with v = 0:
 d sigma_i = -delta_i u'(sigma_i) (times a2'(u - m') with the running max), delta_i = (dO_i . o_i) b'(z') / b(z')
 (`gradient`)."""
@@ -24,24 +26,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ncd.families.attention.kernel import _head, _head_columns, _load_rows, _row_delta, _store_rows, head_tile
+from ncd.families.attention.kernel import (
+    _head,
+    _head_columns,
+    _load_rows,
+    _row_delta,
+    _store_rows,
+    head_tile,
+    sink_place,
+)
 
 BLOCK_ROWS = 32
-
-
-@triton.jit
-def _sink_place(T, off_b, off_h, rows, in_q, stride_tb, stride_th, stride_tm, u_const, SINK_MAP: tl.constexpr,
-                HAS_T: tl.constexpr):
-    """(u, sigma) per row (fp32): the sink's place u (sinks.py: in the maps' domain with the running max, else the
-    value added to z) and its logit sigma (u_const and 0 for a constant sink)."""
-    if HAS_T:
-        sigma = tl.load(T + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th + rows * stride_tm,
-                        mask=in_q, other=0.0).to(tl.float32)
-        u = SINK_MAP(sigma)
-    else:
-        sigma = tl.zeros([rows.shape[0]], tl.float32)
-        u = sigma + u_const
-    return u, sigma
 
 
 @triton.jit
@@ -62,7 +57,7 @@ def sink_merge_kernel(
     o = _load_rows(o_base, rows, stride_om, stride_od, offs_d, in_q, d_ok).to(tl.float32)
     stat = bh.to(tl.int64) * N_Q + rows
     z = tl.load(Z + stat, mask=in_q, other=0.0)
-    u, _ = _sink_place(T, off_b, off_h, rows, in_q, stride_tb, stride_th, stride_tm, u_const, SINK_MAP, HAS_T)
+    u, _ = sink_place(T, off_b, off_h, rows, in_q, stride_tb, stride_th, stride_tm, u_const, SINK_MAP, HAS_T)
     seen = z != 0
     safe_z = tl.where(seen, z, 1.0)
     if ONLINE_MAX:
@@ -104,7 +99,7 @@ def sink_grad_kernel(
     delta = _row_delta(o, do, z, DB_OVER_B)
     if DELTA_IN:  # the row statistic's own gradient (runtime.py)
         delta += tl.load(DELTA + stat, mask=in_q, other=0.0)
-    u, sigma = _sink_place(T, off_b, off_h, rows, in_q, stride_tb, stride_th, stride_tm, 0.0, SINK_MAP, True)
+    u, sigma = sink_place(T, off_b, off_h, rows, in_q, stride_tb, stride_th, stride_tm, 0.0, SINK_MAP, True)
     dsigma = -delta * DSINK_MAP(sigma)
     if ONLINE_MAX:
         dsigma = dsigma * DA2(u - tl.load(M + stat, mask=in_q, other=0.0))
@@ -121,6 +116,13 @@ def _rows_view(sink: torch.Tensor | None, dims: tuple[int, ...], rows: tuple[int
         shape[d] = size
     order = sorted(range(len(dims)), key=lambda d: dims[d])
     return sink.permute(order).reshape(shape).expand(rows)
+
+
+def forward_sink(sink: torch.Tensor | None, dims: tuple[int, ...], rows: tuple[int, int, int], constant: float,
+                 sink_map: Any = None) -> tuple:
+    """The streamed forward's `sink` argument (kernel.py: its stream starts from the sink's state, so no merge
+    follows): the logits as a [B, H, N_Q] view (or None: the constant place), the place, u(logit)."""
+    return _rows_view(sink, dims, rows), constant, sink_map
 
 
 def merge(kernels: Any, o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None, sink: torch.Tensor | None,

@@ -144,18 +144,21 @@ class AttentionOp:
         tensors, constants = self._split(rest[:-1] if self.sink_tensor else rest)
         context = self._context(q, k, tensors, constants)
         mode = self.ns["CONFIG"].decode
-        wide = torch.float32 if self.sink is not None else None  # (the sink's merge rounds o once, from fp32)
         if mode == "always" or (mode == "auto" and kernel_decode.use_decode(q.shape[2], k.shape[2],
                                                                              q.shape[0] * q.shape[1])):
-            # few queries, many keys: the key axis split across programs, merged by the certificate
+            # few queries, many keys: the key axis split across programs, merged by the certificate (and the sink
+            # merged after them, from an fp32 o, so that o is rounded once)
+            wide = torch.float32 if self.sink is not None else None
             o, (z, m) = kernel_decode.decode_forward(self.ns["KERNELS"], q, k, v, w, scale, context, out_dtype=wide)
-        elif wide is not None:
-            o, (z, m) = self.ns["forward"](q, k, v, w, scale, context, wide)
+            if self.sink is not None:
+                o = kernel_sink.merge(self.ns["KERNELS"], o, z, m, sink, self.sink[1], self.sink[2],
+                                      self.ns.get("_sink_map"), q.dtype)
+        elif self.sink is not None:  # the stream starts from the sink's state
+            rows = (q.shape[0], q.shape[1], q.shape[2])
+            start = kernel_sink.forward_sink(sink, self.sink[1], rows, self.sink[2], self.ns.get("_sink_map"))
+            o, (z, m) = self.ns["forward"](q, k, v, w, scale, context, sink=start)
         else:
             o, (z, m) = self.ns["forward"](q, k, v, w, scale, context)
-        if self.sink is not None:
-            o = kernel_sink.merge(self.ns["KERNELS"], o, z, m, sink, self.sink[1], self.sink[2],
-                                  self.ns.get("_sink_map"), q.dtype)
         return o, z, m
 
     def _forward_lse(self, *args: Any) -> tuple:

@@ -1,10 +1,10 @@
 """The attention family's plan of a certificate's sink (kernel_sink.py runs it): normalize's `sink = LOGIT`, or the
 constant term of b(z) = c z + beta (softmax-plus-one).
 
-The merge kernel takes the sink as `u` per row: with the running max, its place in the maps' domain t (a2(u) is
-the entry's share of the sum: u = log(a2_spec(sigma) / C2) / c2 for a2 = C2 exp(c2 t)); with plain sums, the
-value a2_spec(sigma) itself, added to z. `map` prints u from the logit sigma, `dmap` its derivative, for the
-gradient of a learned logit."""
+The forward (as its first state) and the merge kernel take the sink as `u` per row: with the running max, its
+place in the maps' domain t (a2(u) is the entry's share of the sum: u = log(a2_spec(sigma) / C2) / c2 for
+a2 = C2 exp(c2 t)); with plain sums, the value a2_spec(sigma) itself, added to z.
+`map` prints u from the logit sigma, `dmap` its derivative, for the gradient of a learned logit."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ class SinkPlan:
     def describe(self) -> list[str]:
         if self.tensor is None:
             return [f"  sink: a constant entry of the sum with no value, u = {self.constant:g} (kernel_sink.py)"]
-        return [f"  sink: logit {self.tensor} per row, u = {self.map} of it, merged after the forward "
-                "(kernel_sink.py); its gradient -a2'(t - m) delta u'(sigma)"]
+        return [f"  sink: logit {self.tensor} per row, u = {self.map} of it, the stream's first state (merged "
+                "after split-K decoding: kernel_sink.py); its gradient -a2'(t - m) delta u'(sigma)"]
 
 
 def plan_sink(program: ir.Program, cert: Certificate, norm: ir.Normalize | None, q_axes: tuple[str, ...]
