@@ -20,7 +20,7 @@ head (`sink`, gpt-oss), softmax-plus-one (`plus_one`, b(z) = 1 + z, non-causal),
 of 192, v of 128, causal), QK-norm (`qk_norm`: RMS norm of q and k with learned gains, causal), cosine attention
 (`cosine`: l2-normalised q, k, learned temperature per head), a T5 relative-position table (`t5_bias`: [head 33]
 read at clamp(kv - q, -16, 16) + 16, causal), elu + 1 feature maps of q and k (`feature_map`, causal softmax) and
-(third session) T5's own log buckets (`t5_log`: [head 32], bidirectional buckets up to distance 128, no mask, scale 1).
+(third session) T5's own log buckets (`t5_log`: [head 32], bidirectional buckets up to distance 128, no mask).
 Each variant's mask and score modifier are written once (`mask_mod(b, h, q, kv)`, `score_mod(s, b, h, q, kv)` in
 FlexAttention's convention); the same functions are FlexAttention's mods and, on broadcast index tensors, the dense
 formula that is the fp32 reference and the torch.compile baseline. A Q/K transform (`prologue(q, k, ex)`) and a sink
@@ -360,8 +360,7 @@ VARIANTS = {v.name: v for v in (
             scale=1.0),
     Variant("t5_bias", "t5_bias_softmax.ncd", mask=causal, score=t5_bias, inputs=t5_table, sizes=(("dim", DIM),)),
     Variant("feature_map", "feature_map_softmax.ncd", mask=causal, prologue=elu_plus_one),
-    Variant("t5_log", "t5_log_bucket_softmax.ncd", score=t5_log_bias, inputs=t5_log_table, scale=1.0,
-            sizes=(("dim", DIM),)),
+    Variant("t5_log", "t5_log_bucket_softmax.ncd", score=t5_log_bias, inputs=t5_log_table, sizes=(("dim", DIM),)),
 )}
 
 

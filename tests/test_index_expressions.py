@@ -235,6 +235,16 @@ def test_log_buckets_of_key_minus_query_run_in_the_attention_kernels_through_an_
     assert all("dtable" in {r.quantity for r in report} for _, report in results)
 
 
+def test_the_shipped_t5_log_bucket_spec_passes_ncd_check_in_both_dtypes(cache):
+    """Every case `ncd check` runs (large logits, exact zeros, decoding), fp32 and bf16, forward and every gradient,
+    the table's included. (At scale 1 the large draw's scores pass 700, where the float64 reference's exp
+    overflows: the spec keeps the usual 1 / sqrt(d) default.)"""
+    op = _load(ROOT / "specs" / "t5_log_bucket_softmax.ncd", cache)
+    results = check_op(op, (torch.float32, torch.bfloat16), "cpu", seed=11)
+    failures = [f"{case.label} {row}" for case, report in results for row in report if not row.ok]
+    assert len(results) == 5 and failures == []  # fp32: normal, large, zeros, decode; bf16: normal
+
+
 def test_a_log_bucket_index_read_twice_shares_one_offset_table(run_cli, tmp_path, cache):
     """The table read twice at the same log index (a bias and its square): one offset table, one slot, and the op
     still matches the float64 reference, gradient included."""
