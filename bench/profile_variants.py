@@ -6,40 +6,23 @@ bench/attention_variants.py). NCD's tuning log (stderr) names the configs it pic
 
 `--tiles dkdv=64,128,8,3/32,64,4,3 --tiles dq=...` replaces the tiles one kernel of ncd tunes over (kinds: fwd, dkdv,
 dq, dq_ds), to measure tiles before they go into AttentionConfig; each tuned kernel's every tile time is printed
-(set NCD_TUNE_CACHE=0 so that the tuning file does not answer instead).
+(a changed tile list is a tuning entry of its own: the tuning file never answers for it).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 from pathlib import Path
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention_variants as av
+from gka import kernel_times  # CUDA time per kernel, torch.profiler
 
 CALLS = 5
-
-
-def kernel_times(run, calls: int = CALLS) -> list[tuple[str, float]]:
-    """(kernel name, us per call) of `run`, largest first."""
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            run()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = collections.defaultdict(float)
-    for event in prof.events():
-        if event.device_type.name == "CUDA":
-            totals[event.name[:70]] += event.device_time / calls
-    return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
 KERNELS = {"fwd": "fwd_kernel", "dkdv": "bwd_dkdv_kernel", "dq": "bwd_dq_kernel", "dq_ds": "bwd_dq_ds_kernel"}
@@ -81,7 +64,7 @@ def case(name: str, n: int, flex, tiles: dict[str, str]) -> None:
         theirs = torch.compile(av.flex_form(variant, ex, score_mod, bm, flex_attention), dynamic=False)
     for label, fn in (("ncd", lambda: op(q, k, v, **kwargs).backward(do)),
                       ("flex", lambda: theirs(q, k, v).backward(do))):
-        rows = kernel_times(fn)
+        rows = sorted(((kernel[:70], us) for kernel, (us, _) in kernel_times(fn, CALLS).items()), key=lambda r: -r[1])
         print(f"\n## {name} N={n} B={shape.batch} {label}: total {sum(t for _, t in rows):.0f} us")
         for kernel, us in rows[:8]:
             print(f"  {us:9.1f} us  {kernel}")
