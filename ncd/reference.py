@@ -64,11 +64,13 @@ def bind_sizes(program: ir.Program, tensors: Mapping[str, torch.Tensor]) -> dict
 
 def evaluate(program: ir.Program, tensors: Mapping[str, torch.Tensor | float],
              dtype: torch.dtype = torch.float64, unrolled_solves: bool = False,
-             normalisers: list[Named] | None = None) -> dict[str, torch.Tensor]:
+             normalisers: list[Named] | None = None, scores: list[torch.Tensor] | None = None
+             ) -> dict[str, torch.Tensor]:
     """Every output of the program, in `dtype`, from named inputs and parameters. A chebyshev_solve is
     differentiated implicitly, as the solve it approximates (docs/language.md, section 17), unless
     `unrolled_solves`: then autograd follows its iterations. Each normalize's b(z) is appended to
-    `normalisers` where one is given (validation looks at how close rows come to b's zero)."""
+    `normalisers` where one is given (validation looks at how close rows come to b's zero), and the scores it
+    normalises that a row sees (its mask and weight) to `scores`, flattened (validation aims its large draws)."""
     env: dict[str, Named] = {}
     given: dict[str, torch.Tensor] = {}
     for t in (*program.inputs, *program.params):
@@ -90,6 +92,8 @@ def evaluate(program: ir.Program, tensors: Mapping[str, torch.Tensor | float],
         env[d.tensor] = ev.to_axes(ev.eval(d.value, {}), program.tensor(d.tensor).axes)
     if normalisers is not None:
         normalisers += ev.normalisers
+    if scores is not None:
+        scores += ev.scores
     return {t.name: env[t.name].data for t in program.outputs}
 
 
@@ -100,6 +104,7 @@ class _Evaluator:
         self.unrolled_solves = unrolled_solves
         self.bases = {b.name: b for b in program.bases}
         self.normalisers: list[Named] = []
+        self.scores: list[torch.Tensor] = []
 
     def const(self, value: float) -> Named:
         return Named(torch.tensor(value, dtype=self.dtype), ())
@@ -245,6 +250,8 @@ class _Evaluator:
         if node.weight is not None:
             keep = keep * self.to_axes(self.eval(node.weight, scope), s.axes).data
         dim = s.axes.index(node.over)
+        seen, weight = torch.broadcast_tensors(data, keep)
+        self.scores.append(seen[weight != 0].detach())
         z = (keep * torch.where(keep != 0, self.lam(node.a2, data), 0)).sum(dim)
         if node.sink is not None:  # one more entry with no value (docs/language.md, normalize's sink)
             rest = tuple(a for a in s.axes if a != node.over)

@@ -191,7 +191,7 @@ def run_case(op: Op, forms, case: Case, device: str = "cpu", seed: int | None = 
     quantities = [(kernel_plan.output, out, ref, tol)]
     quantities += [(f"d{n}", g, r, forms.gradient_tolerance(case, n, grad_tol))
                    for n, g, r in zip(differentiable, grads, ref_grads, strict=True)]
-    floor = ROW_FLOOR[case.dtype]
+    floor = forms.row_floor(case)
     return Report([Row(q, name, _rel(v, r), t, row_error(v, r, floor), t * ROW_FACTOR, case.label)
                    for q, v, r, t in quantities], drawn=Drawn(inputs, differentiable, grad_out, ref_grads))
 

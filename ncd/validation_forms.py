@@ -29,7 +29,7 @@ from .compiler import compile_front
 from .ops import Op
 from .pipeline import front_end
 from .reference import evaluate
-from .validate import TOLERANCE, Case
+from .validate import ROW_FLOOR, TOLERANCE, Case
 
 FP32, BF16 = torch.float32, torch.bfloat16
 
@@ -87,6 +87,10 @@ class Forms:
     def gradient_tolerance(self, case: Case, name: str, default: float) -> float:
         """The relative tolerance of input `name`'s gradient (default: the case's gradient tolerance)."""
         return default
+
+    def row_floor(self, case: Case) -> float:
+        """The row metric's floor, as a fraction of the RMS row norm (validate.ROW_FLOOR by dtype)."""
+        return ROW_FLOOR[case.dtype]
 
     def draw(self, case: Case, inputs: dict[str, torch.Tensor], generator: torch.Generator | None
              ) -> dict[str, torch.Tensor]:

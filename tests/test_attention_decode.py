@@ -65,8 +65,10 @@ def _draw(stem: str, n_q: int, group: int, batch: int = B, dv: int = D):
 
 
 def _context(module, q, k, tensors: dict) -> tuple | None:
-    """The hooks' context tuple, as the op builds it (its tensors in the op's order)."""
-    return module._OP._context(q, k, _in_order(module, tensors), [])
+    """The hooks' context tuple, as the op builds it for its backward (its tensors in the op's order; the columns
+    table too, which the forward never reads: built without it, the context holds the rows table in its place, and
+    the dK/dV kernels read that [.., N_Q, 4] table at key indices, past its end: a CI run's dK was off by 0.34)."""
+    return module._OP._context(q, k, _in_order(module, tensors), [], columns=True)
 
 
 def _in_order(module, tensors: dict) -> list:

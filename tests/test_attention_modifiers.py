@@ -361,6 +361,20 @@ def test_forward_and_every_gradient_match_float64(case, op_cache):
     _assert_matches(case, out, grads, ref, ref_grads, grad_out)
 
 
+def test_a_steep_negative_slope_does_not_overflow_in_the_padding_rows(op_cache):
+    """Rows past N_Q (37 rows in the interpreter's 16-row tiles: 11 of padding) hold placeholder statistics (m = 0).
+    A modified score there, slope * (j - i) = 3 * 47 at slope -3, once overflowed exp into inf in the backward, and
+    the zero rows turned inf * 0 into NaN in the dK/dV kernel's sums (a serial run's global RNG drew such a slope).
+    The op runs under numpy's raised float errors."""
+    case = Case("alibi_softmax", "causal", 37, 37)
+    op = _load(case.stem, op_cache)
+    x, grad_out = _draw(case)
+    x["slope"] = torch.tensor([0.5, -1.0, -3.0])
+    out, grads = _run_op(op, case, x, grad_out)
+    ref, ref_grads = _reference(case, x, grad_out)
+    _assert_matches(case, out, grads, ref, ref_grads, grad_out)
+
+
 @pytest.mark.parametrize("case", MASKED_ROW_CASES, ids=lambda c: c.id)
 def test_fully_masked_rows_give_zero_output_and_zero_gradients(case, op_cache):
     op = _load(case.stem, op_cache)

@@ -3,6 +3,8 @@ exact zeros and masked rows."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ncd import ir
@@ -35,6 +37,24 @@ MODIFIER_GRAD_TOLERANCE = 2e-3
 # missed the float64 value by 3.9e-4 to 9.4e-3 over eight draws; the kernels measured 1.1e-2 at one (2x eager's
 # worst: the tolerance).
 SINK_GRAD_TOLERANCE_LOW_PRECISION = 2e-2
+# The large draw multiplies q (its even rows) and k, or what a prologue scales, by LARGE_FACTOR, or by less where
+# that would take the largest visible score past LARGE_SCORE: far past fp32's exp overflow (88), inside float64's
+# (709) with room for the reference's sums. At a unit temperature (learned_temperature_softmax: tau drawn N(0, 1))
+# a factor of 8 gave scores of several thousand and an infinite reference.
+LARGE_FACTOR = 8.0
+LARGE_SCORE = 300.0
+# ... and judges each row against the RMS row norm itself, as bf16 draws do (fp32's floor is 0.25 of it). A saturated
+# row's dS is ~0 in float64, and u |dO| |v| in the kernels, whose delta is dO . O (FlashAttention's): times the
+# scaled q that is 8e-6 in dK, 8e-4 of a quarter of the RMS row at padded_softmax's 3 live rows (seed 2). Overflow,
+# what the draw looks for, is off by far more.
+LARGE_ROW_FLOOR = 1.0
+# bf16 draws scale q and k down where the largest visible score passes LOW_PRECISION_SCORE (a 1 / sqrt(d) softmax
+# of unit-normal q and k peaks near 4): bf16 gradients of a sharply peaked softmax miss the 1e-2 tolerance in any
+# implementation. At a unit temperature (scores to about 40), PyTorch's eager bf16 autograd of
+# learned_temperature_softmax missed float64 by 3.3e-2 in dK (median of 8 draws, 0.12 at worst), the kernels by
+# 8e-3 to 2.5e-2; capped at 12, the kernels reached 9.3e-3, at 8 6.1e-3 to 7.0e-3 (plain softmax: 6.1e-3 to 6.4e-3).
+# Large logits are the fp32 large draw's (LARGE_SCORE).
+LOW_PRECISION_SCORE = 8.0
 # An integer scalar that a mask reads (a window) is drawn at this value, so that it cuts the small odd sizes.
 MASK_SCALAR = 5
 
@@ -175,6 +195,32 @@ class AttentionForms(Forms):
             return default
         return MODIFIER_GRAD_TOLERANCE_LOW_PRECISION if case.dtype != FP32 else max(default, MODIFIER_GRAD_TOLERANCE)
 
+    @staticmethod
+    def _score_factor(program: ir.Program, inputs: dict[str, torch.Tensor], names, factor: float, peak: float
+                      ) -> float:
+        """`factor`, or the factor that brings the largest visible score to `peak` where `factor` would take it past
+        (the scores' degree in the factor read off the reference at 1 and at 8: 2 for q . k)."""
+        from ncd.reference import evaluate
+
+        def largest(f: float) -> float:
+            found: list[torch.Tensor] = []
+            scaled = {n: (v.float() * f if n in names else v).detach().cpu() for n, v in inputs.items()}
+            with torch.no_grad():
+                evaluate(program, scaled, scores=found)
+            return max((float(s.abs().max()) for s in found if s.numel()), default=0.0)
+
+        base = largest(1.0)
+        at = largest(factor) if factor != 1.0 else base
+        if at <= peak or base <= 0:
+            return factor
+        probe = largest(8.0)
+        degree = math.log(probe / base) / math.log(8.0) if probe > base else 0.0
+        return (peak / base) ** (1 / degree) if degree > 0 else factor
+
+    def row_floor(self, case: Case) -> float:
+        """Large draws judge each row against the RMS row itself (LARGE_ROW_FLOOR)."""
+        return max(super().row_floor(case), LARGE_ROW_FLOOR) if case.draw == "large" else super().row_floor(case)
+
     def call(self, op: Op, case: Case, leaves: dict[str, torch.Tensor]) -> torch.Tensor:
         """The tensors positionally, and the mask's integer scalars (drawn: `draw`) by name."""
         scalars = {n: leaves[n] for n in self.plan.modifiers.scalars if n in leaves}
@@ -191,10 +237,26 @@ class AttentionForms(Forms):
             with DictSwitch(vars(plan), {"NEAR_SINGULAR": NEAR_SINGULAR_LOW_PRECISION}):
                 inputs = self.plan.condition_inputs(self.op_for(case).front.program, inputs, generator)
         out = self._mask_inputs(dict(inputs), generator)
+        if case.dtype != FP32 and case.draw == "normal":  # practical scores (LOW_PRECISION_SCORE)
+            names = prologue.scaled_inputs(r.prologue, (r.query, r.key), self.op.front.program)
+            # (and the score modifier's float tensors: an ALiBi slope drawn at 1 moves a score by 1 per key)
+            names += [t.name for t in self.plan.modifiers.tensors if t.float and t.in_score and t.name not in names]
+            factor = self._score_factor(self.op_for(case).front.program, out, names, 1.0, LOW_PRECISION_SCORE)
+            for name in names:
+                out[name] = (out[name].float() * factor).to(out[name].dtype)
         if case.draw == "large":  # scores of several hundred: exp(s) overflows fp32 unless stabilised
             # (where a prologue computes q or k, the inputs it reads: a normalised q is scale-free, its gains are not)
-            for name in prologue.scaled_inputs(r.prologue, (r.query, r.key), self.op.front.program):
-                out[name] = inputs[name] * 8
+            names = prologue.scaled_inputs(r.prologue, (r.query, r.key), self.op.front.program)
+            program = self.op_for(case).front.program
+            factor = self._score_factor(program, out, names, LARGE_FACTOR, LARGE_SCORE)
+            for name in names:
+                out[name] = inputs[name] * factor
+            if r.query in names:  # q's odd rows unscaled: their scores, x factor, stay short of saturating
+                # (a saturated softmax row has gradients of ~0, where the rounding of any fp32 implementation reads as
+                # a large relative error once every row saturates: 4e-4 at padded_softmax's 5 live rows)
+                rows = program.tensor(r.query).axes.index(r.q_axes[2])
+                odd = torch.arange(1, inputs[r.query].shape[rows], 2, device=inputs[r.query].device)
+                out[r.query] = out[r.query].index_copy(rows, odd, inputs[r.query].index_select(rows, odd))
         elif case.draw == "zeros":  # exact zeros: whole query and key rows, and scattered elements
             program = self.op.front.program  # the tensors' declared layouts
             # (where a prologue computes q or k, the input it transforms: prologue.drawn_input)

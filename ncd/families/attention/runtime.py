@@ -85,7 +85,8 @@ class AttentionOp:
                  columns: bool = False) -> tuple | None:
         """The hooks' context tuple C: (N_Q, N_K, GROUP, each tensor's pointer and strides, the scalars, the
         sizes), in modifiers.py's order, then the mask's range tables where it has them (mask_table.py: the rows
-        table, and the columns table with `columns`, else the rows table again in its place); None without
+        table, and the columns table with `columns`, else the rows table again in its place: a context for the
+        forward only, as the dK/dV kernels would read that [.., N_Q, 4] table at key indices); None without
         modifiers."""
         if not self.ns["KERNELS"].modified:
             return None
