@@ -363,9 +363,9 @@ def test_forward_and_every_gradient_match_float64(case, op_cache):
 
 def test_a_steep_negative_slope_does_not_overflow_in_the_padding_rows(op_cache):
     """Rows past N_Q (37 rows in the interpreter's 16-row tiles: 11 of padding) hold placeholder statistics (m = 0).
-    A modified score there, slope * (j - i) = 3 * 47 at slope -3, once overflowed exp into inf in the backward, and
-    the zero rows turned inf * 0 into NaN in the dK/dV kernel's sums (a serial run's global RNG drew such a slope).
-    The op runs under numpy's raised float errors."""
+    A modified score there, slope * (j - i) = 3 * 47 at slope -3, once overflowed exp into inf and NaN lanes of the
+    backward, which the masked last block's `where` then discarded (the results were right; a serial run's global
+    RNG drew such a slope). No kernel may overflow, not even in padding: the op runs under raised float errors."""
     case = Case("alibi_softmax", "causal", 37, 37)
     op = _load(case.stem, op_cache)
     x, grad_out = _draw(case)

@@ -643,8 +643,8 @@ def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, i, 
             s0 = s
             dmod = S.DSCORE(s, i, j, off_b, off_h, C)
             # rows past N_Q and keys past N_K score 0, as without a modifier: there the row statistics are
-            # placeholders (m = 0), and a modified score (ALiBi's slope * (j - i) with more keys than queries)
-            # would overflow a1 into an inf that turns the zero rows' products into NaN in dK
+            # placeholders (m = 0), and a modified score (ALiBi's slope * (j - i), at a negative slope) overflowed
+            # a1 into inf and NaN lanes that only the masked last block's `where` discarded
             s = tl.where((i < C[0]) & (j < C[1]), S.SCORE(s, i, j, off_b, off_h, C), 0.0)
         if S.HAS_PRE:
             dpre = S.DPRE(s)  # chain rule through t = h(s)
