@@ -81,7 +81,7 @@ def evaluate(program: ir.Program, tensors: Mapping[str, torch.Tensor | float],
             continue
         given[t.name] = torch.as_tensor(supplied).to(dtype)
     sizes = bind_sizes(program, given)
-    ev = _Evaluator(program, sizes, dtype, env, unrolled_solves)
+    ev = _Evaluator(program, sizes, dtype, env, unrolled_solves, keep_scores=scores is not None)
     for t in (*program.inputs, *program.params):
         if t.name in given:
             env[t.name] = Named(given[t.name], t.axes)
@@ -99,12 +99,13 @@ def evaluate(program: ir.Program, tensors: Mapping[str, torch.Tensor | float],
 
 class _Evaluator:
     def __init__(self, program: ir.Program, sizes: dict[str, int], dtype: torch.dtype, env: dict[str, Named],
-                 unrolled_solves: bool = False):
+                 unrolled_solves: bool = False, keep_scores: bool = False):
         self.p, self.sizes, self.dtype, self.env = program, sizes, dtype, env
         self.unrolled_solves = unrolled_solves
         self.bases = {b.name: b for b in program.bases}
         self.normalisers: list[Named] = []
         self.scores: list[torch.Tensor] = []
+        self.keep_scores = keep_scores
 
     def const(self, value: float) -> Named:
         return Named(torch.tensor(value, dtype=self.dtype), ())
@@ -250,8 +251,9 @@ class _Evaluator:
         if node.weight is not None:
             keep = keep * self.to_axes(self.eval(node.weight, scope), s.axes).data
         dim = s.axes.index(node.over)
-        seen, weight = torch.broadcast_tensors(data, keep)
-        self.scores.append(seen[weight != 0].detach())
+        if self.keep_scores:
+            seen, weight = torch.broadcast_tensors(data, keep)
+            self.scores.append(seen[weight != 0].detach())
         z = (keep * torch.where(keep != 0, self.lam(node.a2, data), 0)).sum(dim)
         if node.sink is not None:  # one more entry with no value (docs/language.md, normalize's sink)
             rest = tuple(a for a in s.axes if a != node.over)

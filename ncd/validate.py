@@ -161,15 +161,22 @@ def check_op(op: Op, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfl
     return results
 
 
+def case_inputs(forms, case: Case, device: str = "cpu", generator: torch.Generator | None = None,
+                drawn: bool = True) -> tuple[Op, dict[str, torch.Tensor]]:
+    """The op `case` runs and its inputs: standard draws at the family's validation sizes, conditioned into its
+    domain, then (`drawn`) moved to the case's draw."""
+    target = forms.op_for(case)
+    sizes = forms.sizes(case, target.plan.validation_sizes(target.front.program))
+    inputs = random_inputs(target, target.plan, sizes, case.dtype, device, generator)
+    inputs = forms.condition(target.front.program, inputs, generator)
+    return target, forms.draw(case, inputs, generator) if drawn else inputs
+
+
 def run_case(op: Op, forms, case: Case, device: str = "cpu", seed: int | None = None) -> Report:
     """Draw inputs for `case`, run the op in the case's form, compare output and gradients with float64."""
-    target = forms.op_for(case)
-    kernel_plan = target.plan
-    sizes = forms.sizes(case, kernel_plan.validation_sizes(target.front.program))
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    inputs = random_inputs(target, kernel_plan, sizes, case.dtype, device, generator)
-    inputs = forms.condition(target.front.program, inputs, generator)
-    inputs = forms.draw(case, inputs, generator)
+    target, inputs = case_inputs(forms, case, device, generator)
+    kernel_plan = target.plan
     differentiable = [n for n in inputs if n not in kernel_plan.constant_inputs()]
     leaves = {n: v.detach().requires_grad_(n in differentiable) for n, v in inputs.items()}
     with forms.switches(target, case), poisoned():  # an element a kernel forgets to store shows up as NaN

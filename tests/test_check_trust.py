@@ -15,7 +15,7 @@ import torch
 
 import ncd
 from ncd.ops import Op
-from ncd.validate import Case, check_op, validate
+from ncd.validate import Case, case_inputs, check_op, validate
 from ncd.validation_forms import forms_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -226,20 +226,14 @@ def test_rational_draws_stay_off_the_kink_of_the_denominator(run_cli):
     assert code == 0 and "FAIL" not in out and "atomic / large" in out
 
 
-def _largest_score(op: Op, case: Case, seed: int) -> tuple[float, dict]:
-    """The largest visible score of `ncd check`'s draw for `case` (as run_case draws it), and the inputs."""
+def _largest_score(op: Op, case: Case, seed: int) -> float:
+    """The largest visible score of `ncd check`'s draw for `case` (as run_case draws it)."""
     from ncd.reference import evaluate
-    from ncd.validate import random_inputs
 
-    forms = forms_for(op)
-    target = forms.op_for(case)
-    generator = torch.Generator().manual_seed(seed)
-    sizes = forms.sizes(case, target.plan.validation_sizes(target.front.program))
-    inputs = random_inputs(target, target.plan, sizes, case.dtype, "cpu", generator)
-    inputs = forms.draw(case, forms.condition(target.front.program, inputs, generator), generator)
+    target, inputs = case_inputs(forms_for(op), case, "cpu", torch.Generator().manual_seed(seed))
     found: list[torch.Tensor] = []
     evaluate(target.front.program, {n: v.float() for n, v in inputs.items()}, scores=found)
-    return max(float(s.abs().max()) for s in found), inputs
+    return max(float(s.abs().max()) for s in found)
 
 
 def test_attention_draws_aim_at_their_score_range(tmp_path):
@@ -248,17 +242,16 @@ def test_attention_draws_aim_at_their_score_range(tmp_path):
     unit temperature peaks near 40, where bf16 gradients of any implementation miss 1e-2). The plain softmax keeps
     its draws: x8 (its peak is under LARGE_SCORE; q's odd rows unscaled) and unscaled bf16."""
     from ncd.families.attention.forms import LARGE_FACTOR, LARGE_SCORE, LOW_PRECISION_SCORE
-    from ncd.validate import random_inputs
 
     large = Case("streamed", "large", torch.float32, True)
     low = Case("streamed", "normal", torch.bfloat16, True)
     temperature = _load("learned_temperature_softmax", tmp_path)
     peaks = []
     for seed in range(3):
-        peak, _ = _largest_score(temperature, large, seed)
+        peak = _largest_score(temperature, large, seed)
         assert 88 < peak <= LARGE_SCORE * 1.01, (seed, peak)  # past fp32's exp overflow, inside float64's
         peaks.append(peak)
-        peak, _ = _largest_score(temperature, low, seed)
+        peak = _largest_score(temperature, low, seed)
         assert peak <= LOW_PRECISION_SCORE * 1.05, (seed, peak)
     assert max(peaks) > 0.9 * LARGE_SCORE, peaks  # some draw needed the cap
     for form, draw, dtype in (("streamed", "large", torch.float32), ("streamed", "normal", torch.bfloat16)):
@@ -267,11 +260,8 @@ def test_attention_draws_aim_at_their_score_range(tmp_path):
     softmax = _load("softmax_attention", tmp_path)
     plain = forms_for(softmax)
     for case in (large, low):
-        target = plain.op_for(case)
         generator = torch.Generator().manual_seed(0)
-        sizes = plain.sizes(case, target.plan.validation_sizes(target.front.program))
-        drawn = plain.condition(target.front.program, random_inputs(target, target.plan, sizes, case.dtype, "cpu",
-                                                                    generator), generator)
+        _, drawn = case_inputs(plain, case, "cpu", generator, drawn=False)
         again = plain.draw(case, dict(drawn), generator)
         factor = LARGE_FACTOR if case.draw == "large" else 1.0
         assert torch.equal(again["K"], drawn["K"] * factor)
