@@ -47,6 +47,41 @@ def test_spec_forward_and_gradients_match_float64(path, op_cache):
         assert row.ok, (path.stem, row)
 
 
+@pytest.mark.parametrize("stem", ["causal_softmax_attention", "alibi_softmax"])
+def test_masked_scores_far_above_the_row_max_overflow_nowhere(op_cache, stem):
+    """The first 20 keys score about -200 against every query, the others +200: the first 20 rows see only low
+    scores, and their masked future keys lie 400 above their row max. Such lanes are discarded, but no kernel may
+    overflow computing them (raised float errors): the modifier path's forward and both backward sides once formed
+    exp(400) and removed it with a `where` after. 48 keys: the interpreter's 16-wide tiles end without padding (the
+    dK/dV kernel's last block is not key-masked: kernel.py says why)."""
+    op = _load(stem, op_cache)
+    gen = torch.Generator().manual_seed(7)
+    b, h, n, d = 1, 2, 48, 128
+    u = torch.nn.functional.normalize(torch.randn(d, generator=gen), dim=0)
+    sign = torch.where(torch.arange(n) < 20, -1.0, 1.0)[:, None]
+    k = sign * u * 6.0 + 0.05 * torch.randn(b, h, n, d, generator=gen)
+    q = u * (d**0.5 * 200 / 6) + 0.05 * torch.randn(b, h, n, d, generator=gen)  # scores about -200 and +200
+    v, do = torch.randn(b, h, n, d, generator=gen), torch.randn(b, h, n, d, generator=gen)
+    extra = {"slope": torch.tensor([0.25, -0.25])} if stem == "alibi_softmax" else {}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with raise_float_errors():
+        out = op(*leaves, **extra)
+        grads = torch.autograd.grad(out, leaves, do)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    scores = qd @ kd.transpose(-1, -2) / d**0.5
+    if extra:
+        pos = torch.arange(n, dtype=torch.float64)
+        scores = scores + extra["slope"].double()[:, None, None] * (pos[None, :] - pos[:, None])
+    masked = torch.ones(n, n, dtype=torch.bool).triu(1)
+    gap = scores.detach().masked_fill(~masked, float("-inf")).amax(-1) - scores.detach().masked_fill(
+        masked, float("-inf")).amax(-1)
+    assert float(gap[..., :19].min()) > 300  # the lanes this test is about
+    ref = torch.softmax(scores.masked_fill(masked, float("-inf")), -1) @ vd
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    for name, got, want in zip(("O", "dQ", "dK", "dV"), (out, *grads), (ref, *ref_grads), strict=True):
+        assert float((got.double() - want.detach()).norm() / want.detach().norm()) < 1e-4, name
+
+
 @pytest.mark.parametrize("stem", ["spherical_attention", "causal_softmax_attention"])
 def test_bf16_within_bf16_tolerance(op_cache, stem):
     # Causal spherical is left out on purpose: its first rows normalise by one or two scores, where

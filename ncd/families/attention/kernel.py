@@ -28,7 +28,7 @@ log2(e) folded into the scale (one FFMA and one MUFU.EX2 per score) instead of t
 A row with z_i = 0 (a masked row: no visible key of nonzero weight; or every a2 term 0) has output 0 and passes
 no gradient (FlexAttention's convention; docs/language.md).
 """
-# ruff: noqa: E741, SIM102, SIM108
+# ruff: noqa: E741, SIM108
 # (kernels: tensors named O; constexpr branches written as statements, which Triton resolves at compile time)
 
 from __future__ import annotations
@@ -385,13 +385,15 @@ def _fwd_block(
             z = z * S.A2(m - m_use)
             m = m_new
             x = s - m_use[:, None]
+            if MASKED:  # the maps are C exp(c x), c > 0: 0 at -inf, where a masked score could overflow them
+                x = tl.where(visible, x, float("-inf"))
         else:
             x = s
         p1 = S.A1(x)
         if S.HAS_WEIGHT:
             w = _key_weight(w_base, offs_n, in_k, stride_wn, MASKED)
             p1 = p1 * w[None, :]
-        if MASKED:
+        if MASKED and not S.ONLINE_MAX:
             p1 = tl.where(visible, p1, 0.0)
         if S.SAME_A:
             p2 = p1
@@ -399,7 +401,7 @@ def _fwd_block(
             p2 = S.A2(x)
             if S.HAS_WEIGHT:
                 p2 = p2 * w[None, :]
-            if MASKED:
+            if MASKED and not S.ONLINE_MAX:
                 p2 = tl.where(visible, p2, 0.0)
         z += tl.sum(p2, 1)
         acc = _dot(p1.to(v.dtype), v, acc, PRECISION)
@@ -569,17 +571,29 @@ def _row_delta(o, do, z, DB_OVER_B: tl.constexpr):
 
 
 @triton.jit
+def _fold_rows(m2, inv_b, delta):
+    """EXP2's backward statistics of a block of rows: l2 = m2 + log2 b(z) (m2: the row max in base 2) and
+    delta * b(z), so that P = exp2(s log2 e - l2) and dS = P (dP - delta b(z)) take no per-element 1 / b(z). A
+    masked row (1 / b = 0) gets l2 = +inf, hence P = 0. Computed once per row by the kernel that computes delta:
+    folded inside the dK/dV loop the same arithmetic measured 30-40% slower, precomputed 20-23% faster (H100,
+    bench/log/2026-11-26-issue32-s5.md)."""
+    live = inv_b != 0
+    safe_inv_b = tl.where(live, inv_b, 1.0)  # no inf - inf in a masked row (m = -inf), no log of 0
+    return tl.where(live, m2 - tl.math.log2(safe_inv_b), float("inf")), tl.where(live, delta / safe_inv_b, 0.0)
+
+
+@triton.jit
 def bwd_delta_kernel(
-    O, DO, Z, DELTA, DQ_ACC,
+    O, DO, Z, M, L2, DELTA, DQ_ACC,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     HQ, N_Q,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    ZERO_DQ: tl.constexpr, DB_OVER_B: tl.constexpr, DELTA_IN: tl.constexpr,
+    ZERO_DQ: tl.constexpr, B: tl.constexpr, DB_OVER_B: tl.constexpr, DELTA_IN: tl.constexpr, FOLD: tl.constexpr,
 ):
     """delta for a block of rows (o, dO: width DV), plus (DELTA_IN) what DELTA holds already (the row statistic's
     own gradient, runtime.py), and (ZERO_DQ) those rows of the fp32 dQ accumulator (width D, rows of HEAD_DIM)
-    zeroed."""
+    zeroed. FOLD (EXP2's dK/dV kernels): DELTA gets delta * b(z) and L2 the rows' l2 (`_fold_rows`) from M."""
     bh, off_b, off_h, _, _, offs_m = _query_block_program(HQ, 1, BLOCK_M, False, False)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
@@ -593,6 +607,9 @@ def bwd_delta_kernel(
     delta = _row_delta(o, do, z, DB_OVER_B)
     if DELTA_IN:
         delta += tl.load(DELTA + stat_offs, mask=in_q, other=0.0)
+    if FOLD:
+        l2, delta = _fold_rows(tl.load(M + stat_offs, mask=in_q, other=0.0) * LOG2E, _inv_b(z, B), delta)
+        tl.store(L2 + stat_offs, l2, mask=in_q)
     tl.store(DELTA + stat_offs, delta, mask=in_q)
     if ZERO_DQ:
         tl.store(DQ_ACC + stat_offs[:, None] * HEAD_DIM + offs_d[None, :],
@@ -609,34 +626,29 @@ def _across(rows, KEYS_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, i, j, off_b, off_h, C,
-                 PRECISION: tl.constexpr, KEYS_ROWS: tl.constexpr, S: tl.constexpr):
+def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, i, j, off_b, off_h, C, visible,
+                 PRECISION: tl.constexpr, KEYS_ROWS: tl.constexpr, SELECT: tl.constexpr, S: tl.constexpr):
     """(P, dS, s, ds'/ds) of one score tile, before weights and masks: scores a b^T, dP = da db^T. KEYS_ROWS (the
     dK/dV side): a, b, da, db = k, q, v, dO, the tiles are transposed (rows are keys), P is returned and the row max
-    is loaded from m_base; else q, k, dO, v with the row max m given (in base-2 units with EXP2) and P not needed.
-    With a score modifier (HAS_SCORE; i, j: the tile's broadcastable query and key positions) dS is the gradient of
-    the modified score s', and s (the scaled score) and ds'/ds come back for the modifier's own gradients; without
-    one they are 0 and 1."""
+    is loaded from m_base; else q, k, dO, v with the row max m given and P not needed. With EXP2 the row statistics
+    are the folded ones (m: l2, delta: delta * b(z); `_fold_rows`). With a score modifier (HAS_SCORE; i, j: the
+    tile's broadcastable query and key positions) dS is the gradient of the modified score s', and s (the scaled
+    score) and ds'/ds come back for the modifier's own gradients; without one they are 0 and 1. SELECT: the tile's
+    `visible` entries only; with the running max (EXP2 too) it applies to the exponent (P = 0 and dS = 0 elsewhere,
+    and no overflow in a masked score or a padding key's: the caller's `where` after it is then redundant); maps
+    without one are bounded or polynomial and leave it to the caller."""
     s0 = 0.0
     dmod = 1.0
-    if S.EXP2:
+    if S.EXP2:  # a1 = a2 = a1' = a2' = exp; m and delta are the folded statistics (`_fold_rows`), inv_b unused
         qk = _dot(a, tl.trans(b), None, PRECISION)
-        if KEYS_ROWS:  # a1 = a2 = a1' = a2' = exp
-            m = tl.load(m_base + offs_m, mask=in_q, other=0.0) * LOG2E
-            e = tl.math.exp2(qk * (scale * LOG2E) - _across(m, KEYS_ROWS))
-            dp = _dot(da, tl.trans(db), None, PRECISION)  # dO_i . v_j
-            p1 = e * _across(inv_b, KEYS_ROWS)
-            ds = e * (dp * _across(inv_b, KEYS_ROWS) - _across(delta, KEYS_ROWS))
-        else:
-            # the dQ side folds 1 / b(z) into the exponent (m + log2 b(z); +inf for a masked row, whose p is then
-            # 0) and b(z) into delta, per row: two tile products fewer, 6-7% off the dQ kernel. The dK/dV side
-            # measured 30-40% slower so (H100, bench/log/2026-11-26-issue32-s3.md) and keeps the products.
-            live = inv_b != 0
-            safe_inv_b = tl.where(live, inv_b, 1.0)  # (m = -inf in a masked row: no inf - inf, no log of 0)
-            m_b = tl.where(live, m - tl.math.log2(safe_inv_b), float("inf"))
-            p1 = tl.math.exp2(qk * (scale * LOG2E) - m_b[:, None])  # e / b(z)
-            dp = _dot(da, tl.trans(db), None, PRECISION)  # dO_i . v_j
-            ds = p1 * (dp - tl.where(live, delta / safe_inv_b, 0.0)[:, None])
+        if KEYS_ROWS:  # rows past N_Q: l2 = +inf, so P = 0
+            m = tl.load(m_base + offs_m, mask=in_q, other=float("inf"))
+        x = qk * (scale * LOG2E) - _across(m, KEYS_ROWS)
+        if SELECT:
+            x = tl.where(visible, x, float("-inf"))
+        p1 = tl.math.exp2(x)  # e / b(z)
+        dp = _dot(da, tl.trans(db), None, PRECISION)  # dO_i . v_j
+        ds = p1 * (dp - _across(delta, KEYS_ROWS))
     else:
         s = _dot(a, tl.trans(b), None, PRECISION) * scale
         if S.HAS_SCORE:
@@ -653,6 +665,8 @@ def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, i, 
             if KEYS_ROWS:
                 m = tl.load(m_base + offs_m, mask=in_q, other=0.0)
             x = s - _across(m, KEYS_ROWS)
+            if SELECT:  # the maps are C exp(c x), c > 0 (streaming.py): 0 at -inf, and so are their derivatives
+                x = tl.where(visible, x, float("-inf"))
         else:
             x = s
         if KEYS_ROWS:
@@ -681,8 +695,9 @@ def _dkdv_block(
     HEAD_DIM_V: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, S: tl.constexpr,
 ):
     """Add the query block at start_m's share to dK, dV of the key block; returns (dk, dv, dS^T in q's dtype, offs_m,
-    in_q). MASKED: the block straddles the causal diagonal; KEY_MASK: keys past N_K get dS = 0 (their zero K rows
-    must not carry a non-finite dS into a dQ). q_base, do_base: descriptors of Q, dO when TMA, else pointers."""
+    in_q). MASKED: the block straddles the causal diagonal or the spec's mask; KEY_MASK: the key block crosses N_K,
+    whose keys past it get P = dS = 0 (their zero K rows must not carry a non-finite dS into a dQ). q_base, do_base:
+    descriptors of Q, dO when TMA, else pointers."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     in_q = offs_m < N_Q
     # rows past N_Q load as zeros (and z = 1), so they contribute nothing
@@ -694,23 +709,23 @@ def _dkdv_block(
         do = _load_rows(do_base, offs_m, stride_dom, stride_dod, offs_dv, in_q, dv_ok)
     inv_b = _inv_b(tl.load(z_base + offs_m, mask=in_q, other=1.0), S.B)
     delta = tl.load(delta_base + offs_m, mask=in_q, other=0.0)
+    # bounds too: a row past N_Q may hold a modified score that overflows
+    visible = in_k[:, None] & in_q[None, :]
+    if MASKED:
+        if S.CAUSAL:
+            visible = visible & (offs_m[None, :] >= offs_n[:, None])
+        if S.HAS_MASK:
+            visible = visible & S.MASK(offs_m[None, :], offs_n[:, None], off_b, off_h, C)
+    SELECT: tl.constexpr = MASKED or KEY_MASK
     p1_t, ds_t, s_t, dmod_t = _score_grads(k, q, v, do, inv_b, delta, 0.0, m_base, offs_m, in_q, scale,
-                                           offs_m[None, :], offs_n[:, None], off_b, off_h, C, PRECISION, True, S)
+                                           offs_m[None, :], offs_n[:, None], off_b, off_h, C, visible, PRECISION,
+                                           True, SELECT, S)
     if S.HAS_WEIGHT:
         p1_t = p1_t * w[:, None]
         ds_t = ds_t * w[:, None]
-    if S.CAUSAL:
-        if MASKED:
-            visible = offs_m[None, :] >= offs_n[:, None]
-            p1_t = tl.where(visible, p1_t, 0.0)
-            ds_t = tl.where(visible, ds_t, 0.0)
-    if S.HAS_MASK:
-        if MASKED:  # bounds too: a row past N_Q may hold a modified score that overflows
-            visible = in_k[:, None] & in_q[None, :] & S.MASK(offs_m[None, :], offs_n[:, None], off_b, off_h, C)
-            p1_t = tl.where(visible, p1_t, 0.0)
-            ds_t = tl.where(visible, ds_t, 0.0)
-    if KEY_MASK:
-        ds_t = tl.where(in_k[:, None], ds_t, 0.0)
+    if SELECT and not S.ONLINE_MAX:
+        p1_t = tl.where(visible, p1_t, 0.0)
+        ds_t = tl.where(visible, ds_t, 0.0)
     if S.HAS_SCORE:
         if S.HAS_SCORE_GRADS:  # each (query, key) pair passes here once: the modifier tensors' gradients
             S.SCORE_GRADS(ds_t, s_t, offs_m[None, :], offs_n[:, None], off_b, off_h, C, G)
@@ -740,11 +755,11 @@ def _bwd_dkdv_inner(
     start_n, lo, diag_end, hi, N_Q, N_K, scale, off_b, off_h, ds_dst, bh, stride_dsn, C, G,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     DV: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr, DS_BULK: tl.constexpr,
-    S: tl.constexpr,
+    KEY_MASK: tl.constexpr, S: tl.constexpr,
 ):
     """dK, dV of the key block at start_n over the query blocks [lo, diag_end) (causal, or the spec's mask: masked)
     and [diag_end, hi) of one query head. STORE_DS: each dS^T tile (masked entries 0) also goes to ds_dst
-    (`_store_ds`)."""
+    (`_store_ds`). KEY_MASK: the key block crosses N_K."""
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -753,7 +768,7 @@ def _bwd_dkdv_inner(
             dk, dv, ds_t, offs_m, in_q = _dkdv_block(
                 dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base, stride_qm, stride_qd,
                 stride_dom, stride_dod, start_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, N_Q, scale, off_b, off_h, C, G,
-                True, False, BLOCK_M, HEAD_DIM, HEAD_DIM_V, PRECISION, TMA, S)
+                True, KEY_MASK, BLOCK_M, HEAD_DIM, HEAD_DIM_V, PRECISION, TMA, S)
             if STORE_DS:
                 _store_ds(ds_dst, ds_t, bh, start_n, start_m, offs_n, offs_m, in_q, stride_dsn, N_K, BLOCK_N, BLOCK_M,
                           DS_BULK)
@@ -761,10 +776,52 @@ def _bwd_dkdv_inner(
         dk, dv, ds_t, offs_m, in_q = _dkdv_block(
             dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base, stride_qm, stride_qd,
             stride_dom, stride_dod, start_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, N_Q, scale, off_b, off_h, C, G,
-            False, False, BLOCK_M, HEAD_DIM, HEAD_DIM_V, PRECISION, TMA, S)
+            False, KEY_MASK, BLOCK_M, HEAD_DIM, HEAD_DIM_V, PRECISION, TMA, S)
         if STORE_DS:
             _store_ds(ds_dst, ds_t, bh, start_n, start_m, offs_n, offs_m, in_q, stride_dsn, N_K, BLOCK_N, BLOCK_M,
                       DS_BULK)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_heads(
+    dk, dv, k, v, w, in_k, Q, DO, Z, M, DELTA, DS, off_b, off_hk, offs_n, start_n, lo, diag_end,
+    stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod, stride_dsn,
+    scale, HQ, GROUP, N_Q, N_K, C, G,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    DV: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr, DS_BULK: tl.constexpr,
+    KEY_MASK: tl.constexpr, S: tl.constexpr,
+):
+    """dK, dV of the key block at start_n over the query heads of its kv head (`_bwd_dkdv_inner`)."""
+    for g in range(GROUP):
+        off_h, bh, q_base, do_base, stat_base = _query_head(Q, DO, off_b, off_hk, g, stride_qb, stride_qh, stride_dob,
+                                                            stride_doh, HQ, GROUP, N_Q, TMA)
+        if DS_BULK:
+            ds_dst = DS
+        else:
+            ds_dst = DS + bh.to(tl.int64) * N_K * stride_dsn
+        if S.HAS_MASK:  # the query blocks that see some key of this block, and those that see all of them
+            q_lo, q_full_lo, q_full_hi, q_hi = S.QUERY_RANGE(offs_n, off_b, off_h, C)
+            start, a, b, end = _segments(q_lo, q_full_lo, q_full_hi, q_hi, N_Q, BLOCK_M)
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, start_n, start, a, b, N_Q, N_K, scale, off_b, off_h,
+                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, STORE_DS,
+                DS_BULK, KEY_MASK, S,
+            )
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, start_n, b, end, end, N_Q, N_K, scale, off_b, off_h,
+                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, STORE_DS,
+                DS_BULK, KEY_MASK, S,
+            )
+        else:
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, start_n, lo, diag_end, N_Q, N_Q, N_K, scale, off_b,
+                off_h, ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA,
+                STORE_DS, DS_BULK, KEY_MASK, S,
+            )
     return dk, dv
 
 
@@ -805,35 +862,15 @@ def bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     lo, diag_end = _query_blocks(start_n, N_Q, BLOCK_M, BLOCK_N, CAUSAL)
-    for g in range(GROUP):
-        off_h, bh, q_base, do_base, stat_base = _query_head(Q, DO, off_b, off_hk, g, stride_qb, stride_qh, stride_dob,
-                                                            stride_doh, HQ, GROUP, N_Q, TMA)
-        if DS_BULK:
-            ds_dst = DS
-        else:
-            ds_dst = DS + bh.to(tl.int64) * N_K * stride_dsn
-        if HAS_MASK:  # the query blocks that see some key of this block, and those that see all of them
-            q_lo, q_full_lo, q_full_hi, q_hi = QUERY_RANGE(offs_n, off_b, off_h, C)
-            start, a, b, end = _segments(q_lo, q_full_lo, q_full_hi, q_hi, N_Q, BLOCK_M)
-            dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, start_n, start, a, b, N_Q, N_K, scale, off_b, off_h,
-                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, STORE_DS,
-                DS_BULK, S,
-            )
-            dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, start_n, b, end, end, N_Q, N_K, scale, off_b, off_h,
-                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, STORE_DS,
-                DS_BULK, S,
-            )
-        else:
-            dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, start_n, lo, diag_end, N_Q, N_Q, N_K, scale, off_b,
-                off_h, ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA,
-                STORE_DS, DS_BULK, S,
-            )
+    # no key mask for the block that crosses N_K (its zero K rows may overflow exp2(-l2) in a row whose every score
+    # is below -88, lanes never stored): a second compiled variant for it doubled the kernel's shared memory and made
+    # dK/dV 15-50% slower (H100, bench/log/2026-11-26-issue32-s5.md)
+    dk, dv = _dkdv_heads(
+        dk, dv, k, v, w, in_k, Q, DO, Z, M, DELTA, DS, off_b, off_hk, offs_n, start_n, lo, diag_end,
+        stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod, stride_dsn,
+        scale, HQ, GROUP, N_Q, N_K, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA,
+        STORE_DS, DS_BULK, False, S,
+    )
     dk = dk * scale
     _store_key_block(DK, DV_GRAD, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, offs_dv, dv_ok, in_k, stride_dkb,
                      stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd)
@@ -857,16 +894,17 @@ def _dq_block(
     in_k = offs_n < N_K
     k, v = _load_kv(k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start_n, offs_n, in_k, offs_d, d_ok,
                     offs_dv, dv_ok, off_b, off_hk, MASKED, TMA, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
-    _, ds, _, dmod = _score_grads(q, k, do, v, inv_b, delta, m, 0, 0, 0, scale, offs_m[:, None], offs_n[None, :],
-                                  off_b, off_h, C, PRECISION, False, S)
-    if S.HAS_WEIGHT:
-        ds = ds * _key_weight(w_base, offs_n, in_k, stride_wn, MASKED)[None, :]
+    visible = in_k[None, :]
     if MASKED:
-        visible = in_k[None, :]
         if S.CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None])
         if S.HAS_MASK:
             visible = visible & S.MASK(offs_m[:, None], offs_n[None, :], off_b, off_h, C)
+    _, ds, _, dmod = _score_grads(q, k, do, v, inv_b, delta, m, 0, 0, 0, scale, offs_m[:, None], offs_n[None, :],
+                                  off_b, off_h, C, visible, PRECISION, False, MASKED, S)
+    if S.HAS_WEIGHT:
+        ds = ds * _key_weight(w_base, offs_n, in_k, stride_wn, MASKED)[None, :]
+    if MASKED and not S.ONLINE_MAX:
         ds = tl.where(visible, ds, 0.0)
     if S.HAS_SCORE:
         ds = ds * dmod
@@ -898,7 +936,7 @@ def _bwd_dq_inner(
 
 @triton.jit
 def bwd_dq_kernel(
-    Q, K, V, W, O, DO, Z, M, DELTA, DQ,
+    Q, K, V, W, O, DO, Z, M, L2, DELTA, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -941,17 +979,18 @@ def bwd_dq_kernel(
     z = tl.load(Z + stat_offs, mask=in_q, other=1.0)
     inv_b = _inv_b(z, B)
     # delta here rather than in a kernel of its own: this kernel runs first and already reads dO, so O is
-    # the only extra read, and the dK/dV kernel after it takes delta from DELTA
+    # the only extra read, and the dK/dV kernel after it takes delta from DELTA (and l2 from L2, EXP2)
     delta = _row_delta(o, do, z, DB_OVER_B)
     if DELTA_IN:  # the row statistic's own gradient (runtime.py: the op's second output)
         delta += tl.load(DELTA + stat_offs, mask=in_q, other=0.0)
-    tl.store(DELTA + stat_offs, delta, mask=in_q)
     if EXP2:
-        m = tl.load(M + stat_offs, mask=in_q, other=0.0) * LOG2E
+        m, delta = _fold_rows(tl.load(M + stat_offs, mask=in_q, other=0.0) * LOG2E, inv_b, delta)
+        tl.store(L2 + stat_offs, m, mask=in_q)
     elif ONLINE_MAX:
         m = tl.load(M + stat_offs, mask=in_q, other=0.0)
     else:
         m = 0.0
+    tl.store(DELTA + stat_offs, delta, mask=in_q)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     if HAS_MASK:
@@ -1596,6 +1635,8 @@ class AttentionKernels:
         sizes = (scale, hq, hkv, hq // hkv, n_q, n_k, bucket(n_q), bucket(n_k), bucket(batch * hq), context, grads)
 
         delta = self.new((batch, hq, n_q), torch.float32, q.device) if delta_in is None else delta_in.clone()
+        # EXP2: the dK/dV side reads the folded statistics (`_fold_rows`): l2 in place of m, delta * b(z)
+        l2 = self.new((batch, hq, n_q), torch.float32, q.device) if self.flags["EXP2"] else m_arg
         dk = self.new(k.shape, k.dtype, k.device)
         dv = self.new(v.shape, v.dtype, v.device)
 
@@ -1611,7 +1652,7 @@ class AttentionKernels:
             bulk = ds is not None and self.config.ds_bulk_store and self.tma_ok(ds)
             ds_arg = dk if ds is None else ds_descriptor(ds, n_q) if bulk else ds
             fast(self.bwd_dkdv_kernel)[grid_dkdv](
-                descriptor(q, tma), k, v, w_arg, descriptor(do, tma), z, m_arg, delta, dk, dv, ds_arg,
+                descriptor(q, tma), k, v, w_arg, descriptor(do, tma), z, l2, delta, dk, dv, ds_arg,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *w_strides, row,
                 *sizes, **widths, PRECISION=precision, TMA=tma, STORE_DS=ds is not None,
                 DS_BULK=bulk, **self.spec,
@@ -1620,9 +1661,9 @@ class AttentionKernels:
         if not self.config.deterministic_bwd:
             # fp32 dQ accumulator for the fused kernel, zeroed by the delta kernel
             dq_acc = self.new((batch, hq, n_q, tile), torch.float32, q.device)
-            self.delta(o, do, z, delta, dq_acc, head_dim, delta_in is not None)
+            self.delta(o, do, z, delta, dq_acc, head_dim, delta_in is not None, m_arg, l2)
             fast(self.bwd_fused_kernel)[grid_dkdv](
-                q, k, v, w_arg, do, z, m_arg, delta, dk, dv, dq_acc,
+                q, k, v, w_arg, do, z, l2, delta, dk, dv, dq_acc,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *w_strides,
                 *sizes, **widths, PRECISION=precision, **self.spec,
             )
@@ -1643,7 +1684,7 @@ class AttentionKernels:
                 ds = self.new((batch * hq, n_k, row), q.dtype, q.device)
         if ds is not None:
             # delta first, then dK/dV, which stores dS, then dQ = dS K: 5 products per block pair
-            self.delta(o, do, z, delta, delta_in=delta_in is not None)
+            self.delta(o, do, z, delta, delta_in=delta_in is not None, m=m_arg, l2=l2)
             dkdv_kernel(ds, row)
             tma = self.tma_ok(ds, k)
             fast(self.bwd_dq_ds_kernel)[grid_dq](
@@ -1656,7 +1697,7 @@ class AttentionKernels:
         # dQ first: it computes delta, which the dK/dV kernel reads
         tma = self.tma_ok(k, v)
         fast(self.bwd_dq_kernel)[grid_dq](
-            q, descriptor(k, tma), descriptor(v, tma), w_arg, o, do, z, m_arg, delta, dq,
+            q, descriptor(k, tma), descriptor(v, tma), w_arg, o, do, z, m_arg, l2, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *w_strides,
             scale, hq, hq // hkv, n_q, n_k, *sizes[6:], **widths, PRECISION=precision, TMA=tma,
             DELTA_IN=delta_in is not None, **self.spec,
@@ -1665,15 +1706,20 @@ class AttentionKernels:
         return dq, dk, dv
 
     def delta(self, o: torch.Tensor, do: torch.Tensor, z: torch.Tensor, delta: torch.Tensor,
-              dq_acc: torch.Tensor | None = None, head_dim: int | None = None, delta_in: bool = False) -> None:
+              dq_acc: torch.Tensor | None = None, head_dim: int | None = None, delta_in: bool = False,
+              m: torch.Tensor | None = None, l2: torch.Tensor | None = None) -> None:
         """delta (o, do: [B, H, N, DV]), added to what `delta` holds with delta_in, and the fp32 dQ accumulator
-        [B, H, N, head_tile(head_dim)] zeroed when one is given (head_dim: q's width; None: o's)."""
+        [B, H, N, head_tile(head_dim)] zeroed when one is given (head_dim: q's width; None: o's). With EXP2 and l2
+        given, the folded statistics for the dK/dV kernels: delta * b(z) into delta, l2 from m into l2."""
         batch, hq, n_q, value_dim = o.shape
         head_dim = value_dim if head_dim is None else head_dim
+        fold = self.flags["EXP2"] and l2 is not None
         fast(bwd_delta_kernel)[(triton.cdiv(n_q, DELTA_BLOCK_M), batch * hq)](
-            o, do, z, delta, delta if dq_acc is None else dq_acc, *o.stride(), *do.stride(), hq, n_q,
+            o, do, z, m if fold else z, l2 if fold else z, delta, delta if dq_acc is None else dq_acc,
+            *o.stride(), *do.stride(), hq, n_q,
             HEAD_DIM=head_tile(head_dim), D=head_dim, HEAD_DIM_V=head_tile(value_dim), DV=value_dim,
-            BLOCK_M=DELTA_BLOCK_M, ZERO_DQ=dq_acc is not None, DB_OVER_B=self.maps["DB_OVER_B"], DELTA_IN=delta_in,
+            BLOCK_M=DELTA_BLOCK_M, ZERO_DQ=dq_acc is not None, B=self.maps["B"], DB_OVER_B=self.maps["DB_OVER_B"],
+            DELTA_IN=delta_in, FOLD=fold,
         )
 
     def weight_gradient(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,

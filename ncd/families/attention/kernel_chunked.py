@@ -568,7 +568,7 @@ def fact_dkdv_kernel(
                 dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, Z + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, start_n, lo, diag_end, chunk_end, N_Q, N_K, scale,
                 off_b, off_h, DK, 0, 0, (), (), BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM, D, PRECISION, False, False,
-                False, S,
+                False, False, S,
             )
     dk = dk * scale
     _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, offs_d, d_ok, in_k, stride_dkb, stride_dkh,
