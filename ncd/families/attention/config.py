@@ -36,10 +36,12 @@ class AttentionConfig:
     fp32_precision: str = "ieee"
     low_precision: str = "tf32"
     # accumulation: fp32 accumulators; a running row max (softmax-like maps); exp2 with log2(e) folded into the
-    # scale where a1 = a2 = a1' = a2' = exp; a1 == a2 evaluated once
+    # scale where a1 = a2 = a1' = a2' = exp and no pre-map or score modifier; a1 == a2 evaluated once; the
+    # backward's row statistics folded (m + log b(z), delta b(z)) where a1 = a2 = a1' = a2' = exp
     online_max: bool = False
     exp2: bool = False
     shared_map: bool = False
+    fold: bool = False
     # backward: separate dK/dV and dQ kernels (bitwise reproducible) or one kernel with atomic dQ; the stored-dS
     # buffer limit; TMA bulk copies where the layout allows
     deterministic_bwd: bool = True
@@ -92,7 +94,8 @@ class AttentionConfig:
             f"  products: fp32 inputs {self.fp32_precision}, 16-bit inputs {self.low_precision}; fp32 accumulation",
             f"  accumulation: running max {'on' if self.online_max else 'off'}, "
             f"{'exp2 (log2 e folded into the scale)' if self.exp2 else 'the maps as printed'}"
-            f"{', a1 = a2 evaluated once' if self.shared_map else ''}",
+            f"{', a1 = a2 evaluated once' if self.shared_map else ''}"
+            f"{'; backward statistics folded (m + log b(z), delta b(z))' if self.fold else ''}",
             f"  backward: {'deterministic (dK/dV and dQ kernels)' if self.deterministic_bwd else 'fused, atomic dQ'}; "
             f"stored dS up to {self.ds_buffer_bytes} bytes; TMA {'on' if self.use_tma else 'off'}, "
             f"dS bulk store {'on' if self.ds_bulk_store else 'off'}",

@@ -63,7 +63,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 MAPS = ("A1", "A2", "DA1", "DA2", "B", "DB_OVER_B", "PRE", "DPRE")
 HOOKS = ("SCORE", "DSCORE", "SCORE_GRADS", "MASK", "KEY_RANGE", "QUERY_RANGE")  # modifiers.py; optional
 FLAGS = ("CAUSAL", "HAS_WEIGHT", "ONLINE_MAX", "EXP2", "SAME_A", "HAS_PRE", "HAS_SCORE", "HAS_MASK",
-         "HAS_SCORE_GRADS")
+         "HAS_SCORE_GRADS", "FOLD")
 
 
 class Spec(NamedTuple):
@@ -95,6 +95,7 @@ class Spec(NamedTuple):
     HAS_SCORE: Any
     HAS_MASK: Any
     HAS_SCORE_GRADS: Any
+    FOLD: Any
 
 
 @triton.jit
@@ -466,7 +467,7 @@ def fwd_kernel(
     KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_SCORE_GRADS: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
     """One program per (query block, batch * query head); loops over key blocks. Q, K, V, O are TMA
@@ -475,7 +476,7 @@ def fwd_kernel(
     (kernel_sink.py: acc 0, z a2(0), m u; plain sums: z u), so o comes out with the sink merged."""
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
-                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS, FOLD)
     bh, off_b, off_h, off_hk, start_m, offs_m = _query_block_program(HQ, GROUP, BLOCK_M, CAUSAL, HEADS_FAST)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
@@ -571,15 +572,19 @@ def _row_delta(o, do, z, DB_OVER_B: tl.constexpr):
 
 
 @triton.jit
-def _fold_rows(m2, inv_b, delta):
-    """EXP2's backward statistics of a block of rows: l2 = m2 + log2 b(z) (m2: the row max in base 2) and
-    delta * b(z), so that P = exp2(s log2 e - l2) and dS = P (dP - delta b(z)) take no per-element 1 / b(z). A
-    masked row (1 / b = 0) gets l2 = +inf, hence P = 0. Computed once per row by the kernel that computes delta:
-    folded inside the dK/dV loop the same arithmetic measured 30-40% slower, precomputed 20-23% faster (H100,
-    bench/log/2026-11-26-issue32-s5.md)."""
+def _fold_rows(m, inv_b, delta, EXP2: tl.constexpr):
+    """FOLD's backward statistics of a block of rows (a1 = a2 = a1' = a2' = exp): l = m + log b(z) (base 2 with
+    EXP2, m the row max in the kernel's units) and delta * b(z), so that P = exp(s - l) and dS = P (dP - delta b(z))
+    take no per-element 1 / b(z). A masked row (1 / b = 0) gets l = +inf, hence P = 0. Computed once per row by
+    the kernel that computes delta: folded inside the dK/dV loop the same arithmetic measured 30-40% slower,
+    precomputed 23-31% faster (H100, bench/log/2026-11-26-issue32-s5.md)."""
     live = inv_b != 0
     safe_inv_b = tl.where(live, inv_b, 1.0)  # no inf - inf in a masked row (m = -inf), no log of 0
-    return tl.where(live, m2 - tl.math.log2(safe_inv_b), float("inf")), tl.where(live, delta / safe_inv_b, 0.0)
+    if EXP2:
+        log_b = -tl.math.log2(safe_inv_b)
+    else:
+        log_b = -tl.log(safe_inv_b)
+    return tl.where(live, m + log_b, float("inf")), tl.where(live, delta / safe_inv_b, 0.0)
 
 
 @triton.jit
@@ -590,10 +595,11 @@ def bwd_delta_kernel(
     HQ, N_Q,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
     ZERO_DQ: tl.constexpr, B: tl.constexpr, DB_OVER_B: tl.constexpr, DELTA_IN: tl.constexpr, FOLD: tl.constexpr,
+    EXP2: tl.constexpr,
 ):
     """delta for a block of rows (o, dO: width DV), plus (DELTA_IN) what DELTA holds already (the row statistic's
     own gradient, runtime.py), and (ZERO_DQ) those rows of the fp32 dQ accumulator (width D, rows of HEAD_DIM)
-    zeroed. FOLD (EXP2's dK/dV kernels): DELTA gets delta * b(z) and L2 the rows' l2 (`_fold_rows`) from M."""
+    zeroed. FOLD (the dK/dV kernels' FOLD): DELTA gets delta * b(z) and L2 the rows' l (`_fold_rows`) from M."""
     bh, off_b, off_h, _, _, offs_m = _query_block_program(HQ, 1, BLOCK_M, False, False)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
@@ -608,8 +614,11 @@ def bwd_delta_kernel(
     if DELTA_IN:
         delta += tl.load(DELTA + stat_offs, mask=in_q, other=0.0)
     if FOLD:
-        l2, delta = _fold_rows(tl.load(M + stat_offs, mask=in_q, other=0.0) * LOG2E, _inv_b(z, B), delta)
-        tl.store(L2 + stat_offs, l2, mask=in_q)
+        m = tl.load(M + stat_offs, mask=in_q, other=0.0)
+        if EXP2:
+            m = m * LOG2E
+        l, delta = _fold_rows(m, _inv_b(z, B), delta, EXP2)
+        tl.store(L2 + stat_offs, l, mask=in_q)
     tl.store(DELTA + stat_offs, delta, mask=in_q)
     if ZERO_DQ:
         tl.store(DQ_ACC + stat_offs[:, None] * HEAD_DIM + offs_d[None, :],
@@ -630,8 +639,8 @@ def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, i, 
                  PRECISION: tl.constexpr, KEYS_ROWS: tl.constexpr, SELECT: tl.constexpr, S: tl.constexpr):
     """(P, dS, s, ds'/ds) of one score tile, before weights and masks: scores a b^T, dP = da db^T. KEYS_ROWS (the
     dK/dV side): a, b, da, db = k, q, v, dO, the tiles are transposed (rows are keys), P is returned and the row max
-    is loaded from m_base; else q, k, dO, v with the row max m given and P not needed. With EXP2 the row statistics
-    are the folded ones (m: l2, delta: delta * b(z); `_fold_rows`). With a score modifier (HAS_SCORE; i, j: the
+    is loaded from m_base; else q, k, dO, v with the row max m given and P not needed. With FOLD the row statistics
+    are the folded ones (m: l, delta: delta * b(z); `_fold_rows`). With a score modifier (HAS_SCORE; i, j: the
     tile's broadcastable query and key positions) dS is the gradient of the modified score s', and s (the scaled
     score) and ds'/ds come back for the modifier's own gradients; without one they are 0 and 1. SELECT: the tile's
     `visible` entries only; with the running max (EXP2 too) it applies to the exponent (P = 0 and dS = 0 elsewhere,
@@ -639,9 +648,9 @@ def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, i, 
     without one are bounded or polynomial and leave it to the caller."""
     s0 = 0.0
     dmod = 1.0
-    if S.EXP2:  # a1 = a2 = a1' = a2' = exp; m and delta are the folded statistics (`_fold_rows`), inv_b unused
+    if S.EXP2:  # a1 = a2 = a1' = a2' = exp (FOLD too): m and delta are folded (`_fold_rows`), inv_b unused
         qk = _dot(a, tl.trans(b), None, PRECISION)
-        if KEYS_ROWS:  # rows past N_Q: l2 = +inf, so P = 0
+        if KEYS_ROWS:  # rows past N_Q: l = +inf, so P = 0
             m = tl.load(m_base + offs_m, mask=in_q, other=float("inf"))
         x = qk * (scale * LOG2E) - _across(m, KEYS_ROWS)
         if SELECT:
@@ -662,19 +671,23 @@ def _score_grads(a, b, da, db, inv_b, delta, m, m_base, offs_m, in_q, scale, i, 
             dpre = S.DPRE(s)  # chain rule through t = h(s)
             s = S.PRE(s)
         if S.ONLINE_MAX:
-            if KEYS_ROWS:
-                m = tl.load(m_base + offs_m, mask=in_q, other=0.0)
+            if KEYS_ROWS:  # FOLD: rows past N_Q take l = +inf, so P = 0
+                m = tl.load(m_base + offs_m, mask=in_q, other=float("inf") if S.FOLD else 0.0)
             x = s - _across(m, KEYS_ROWS)
             if SELECT:  # the maps are C exp(c x), c > 0 (streaming.py): 0 at -inf, and so are their derivatives
                 x = tl.where(visible, x, float("-inf"))
         else:
             x = s
-        if KEYS_ROWS:
-            p1 = S.A1(x) * _across(inv_b, KEYS_ROWS)
-        else:
-            p1 = 0.0
         dp = _dot(da, tl.trans(db), None, PRECISION)  # dO_i . v_j
-        ds = S.DA1(x) * dp * _across(inv_b, KEYS_ROWS) - S.DA2(x) * _across(delta, KEYS_ROWS)
+        if S.FOLD:  # a1 = a2 = a1' = a2' = exp after a pre-map or a score modifier: P = exp(t - l)
+            p1 = S.A1(x)
+            ds = p1 * (dp - _across(delta, KEYS_ROWS))
+        else:
+            if KEYS_ROWS:
+                p1 = S.A1(x) * _across(inv_b, KEYS_ROWS)
+            else:
+                p1 = 0.0
+            ds = S.DA1(x) * dp * _across(inv_b, KEYS_ROWS) - S.DA2(x) * _across(delta, KEYS_ROWS)
         if S.HAS_PRE:
             ds = ds * dpre
     return p1, ds, s0, dmod
@@ -755,11 +768,11 @@ def _bwd_dkdv_inner(
     start_n, lo, diag_end, hi, N_Q, N_K, scale, off_b, off_h, ds_dst, bh, stride_dsn, C, G,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     DV: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr, DS_BULK: tl.constexpr,
-    KEY_MASK: tl.constexpr, S: tl.constexpr,
+    S: tl.constexpr,
 ):
     """dK, dV of the key block at start_n over the query blocks [lo, diag_end) (causal, or the spec's mask: masked)
     and [diag_end, hi) of one query head. STORE_DS: each dS^T tile (masked entries 0) also goes to ds_dst
-    (`_store_ds`). KEY_MASK: the key block crosses N_K."""
+    (`_store_ds`)."""
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -768,7 +781,7 @@ def _bwd_dkdv_inner(
             dk, dv, ds_t, offs_m, in_q = _dkdv_block(
                 dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base, stride_qm, stride_qd,
                 stride_dom, stride_dod, start_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, N_Q, scale, off_b, off_h, C, G,
-                True, KEY_MASK, BLOCK_M, HEAD_DIM, HEAD_DIM_V, PRECISION, TMA, S)
+                True, False, BLOCK_M, HEAD_DIM, HEAD_DIM_V, PRECISION, TMA, S)
             if STORE_DS:
                 _store_ds(ds_dst, ds_t, bh, start_n, start_m, offs_n, offs_m, in_q, stride_dsn, N_K, BLOCK_N, BLOCK_M,
                           DS_BULK)
@@ -776,52 +789,10 @@ def _bwd_dkdv_inner(
         dk, dv, ds_t, offs_m, in_q = _dkdv_block(
             dk, dv, k, v, w, in_k, q_base, do_base, z_base, m_base, delta_base, stride_qm, stride_qd,
             stride_dom, stride_dod, start_m, offs_n, offs_d, d_ok, offs_dv, dv_ok, N_Q, scale, off_b, off_h, C, G,
-            False, KEY_MASK, BLOCK_M, HEAD_DIM, HEAD_DIM_V, PRECISION, TMA, S)
+            False, False, BLOCK_M, HEAD_DIM, HEAD_DIM_V, PRECISION, TMA, S)
         if STORE_DS:
             _store_ds(ds_dst, ds_t, bh, start_n, start_m, offs_n, offs_m, in_q, stride_dsn, N_K, BLOCK_N, BLOCK_M,
                       DS_BULK)
-    return dk, dv
-
-
-@triton.jit
-def _dkdv_heads(
-    dk, dv, k, v, w, in_k, Q, DO, Z, M, DELTA, DS, off_b, off_hk, offs_n, start_n, lo, diag_end,
-    stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod, stride_dsn,
-    scale, HQ, GROUP, N_Q, N_K, C, G,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    DV: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, STORE_DS: tl.constexpr, DS_BULK: tl.constexpr,
-    KEY_MASK: tl.constexpr, S: tl.constexpr,
-):
-    """dK, dV of the key block at start_n over the query heads of its kv head (`_bwd_dkdv_inner`)."""
-    for g in range(GROUP):
-        off_h, bh, q_base, do_base, stat_base = _query_head(Q, DO, off_b, off_hk, g, stride_qb, stride_qh, stride_dob,
-                                                            stride_doh, HQ, GROUP, N_Q, TMA)
-        if DS_BULK:
-            ds_dst = DS
-        else:
-            ds_dst = DS + bh.to(tl.int64) * N_K * stride_dsn
-        if S.HAS_MASK:  # the query blocks that see some key of this block, and those that see all of them
-            q_lo, q_full_lo, q_full_hi, q_hi = S.QUERY_RANGE(offs_n, off_b, off_h, C)
-            start, a, b, end = _segments(q_lo, q_full_lo, q_full_hi, q_hi, N_Q, BLOCK_M)
-            dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, start_n, start, a, b, N_Q, N_K, scale, off_b, off_h,
-                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, STORE_DS,
-                DS_BULK, KEY_MASK, S,
-            )
-            dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, start_n, b, end, end, N_Q, N_K, scale, off_b, off_h,
-                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, STORE_DS,
-                DS_BULK, KEY_MASK, S,
-            )
-        else:
-            dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, start_n, lo, diag_end, N_Q, N_Q, N_K, scale, off_b,
-                off_h, ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA,
-                STORE_DS, DS_BULK, KEY_MASK, S,
-            )
     return dk, dv
 
 
@@ -844,14 +815,14 @@ def bwd_dkdv_kernel(
     KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_SCORE_GRADS: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
     """STORE_DS: also stores every dS^T tile into DS ([B * Hq, Nk, Nq], row stride stride_dsn; a descriptor when
-    DS_BULK), for the dQ-from-dS kernel."""
+    DS_BULK), for the dQ-from-dS kernel. With FOLD, M and DELTA hold the folded statistics (`_fold_rows`)."""
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
-                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS, FOLD)
     _, off_b, off_hk, _, start_n, offs_n = _key_block_program(HKV, BLOCK_N, HEADS_FAST)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
@@ -865,12 +836,35 @@ def bwd_dkdv_kernel(
     # no key mask for the block that crosses N_K (its zero K rows may overflow exp2(-l2) in a row whose every score
     # is below -88, lanes never stored): a second compiled variant for it doubled the kernel's shared memory and made
     # dK/dV 15-50% slower (H100, bench/log/2026-11-26-issue32-s5.md)
-    dk, dv = _dkdv_heads(
-        dk, dv, k, v, w, in_k, Q, DO, Z, M, DELTA, DS, off_b, off_hk, offs_n, start_n, lo, diag_end,
-        stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod, stride_dsn,
-        scale, HQ, GROUP, N_Q, N_K, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA,
-        STORE_DS, DS_BULK, False, S,
-    )
+    for g in range(GROUP):
+        off_h, bh, q_base, do_base, stat_base = _query_head(Q, DO, off_b, off_hk, g, stride_qb, stride_qh, stride_dob,
+                                                            stride_doh, HQ, GROUP, N_Q, TMA)
+        if DS_BULK:
+            ds_dst = DS
+        else:
+            ds_dst = DS + bh.to(tl.int64) * N_K * stride_dsn
+        if HAS_MASK:  # the query blocks that see some key of this block, and those that see all of them
+            q_lo, q_full_lo, q_full_hi, q_hi = QUERY_RANGE(offs_n, off_b, off_h, C)
+            start, a, b, end = _segments(q_lo, q_full_lo, q_full_hi, q_hi, N_Q, BLOCK_M)
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, start_n, start, a, b, N_Q, N_K, scale, off_b, off_h,
+                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, STORE_DS,
+                DS_BULK, S,
+            )
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, start_n, b, end, end, N_Q, N_K, scale, off_b, off_h,
+                ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA, STORE_DS,
+                DS_BULK, S,
+            )
+        else:
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, M + stat_base, DELTA + stat_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, start_n, lo, diag_end, N_Q, N_Q, N_K, scale, off_b,
+                off_h, ds_dst, bh, stride_dsn, C, G, BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM_V, DV, PRECISION, TMA,
+                STORE_DS, DS_BULK, S,
+            )
     dk = dk * scale
     _store_key_block(DK, DV_GRAD, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, offs_dv, dv_ok, in_k, stride_dkb,
                      stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd)
@@ -953,12 +947,12 @@ def bwd_dq_kernel(
     KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_SCORE_GRADS: tl.constexpr, DELTA_IN: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr, DELTA_IN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
-                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS, FOLD)
     bh, off_b, off_h, off_hk, start_m, offs_m = _query_block_program(HQ, GROUP, BLOCK_M, CAUSAL, HEADS_FAST)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
@@ -979,15 +973,17 @@ def bwd_dq_kernel(
     z = tl.load(Z + stat_offs, mask=in_q, other=1.0)
     inv_b = _inv_b(z, B)
     # delta here rather than in a kernel of its own: this kernel runs first and already reads dO, so O is
-    # the only extra read, and the dK/dV kernel after it takes delta from DELTA (and l2 from L2, EXP2)
+    # the only extra read, and the dK/dV kernel after it takes delta from DELTA (and l from L2, FOLD)
     delta = _row_delta(o, do, z, DB_OVER_B)
     if DELTA_IN:  # the row statistic's own gradient (runtime.py: the op's second output)
         delta += tl.load(DELTA + stat_offs, mask=in_q, other=0.0)
-    if EXP2:
-        m, delta = _fold_rows(tl.load(M + stat_offs, mask=in_q, other=0.0) * LOG2E, inv_b, delta)
-        tl.store(L2 + stat_offs, m, mask=in_q)
-    elif ONLINE_MAX:
+    if ONLINE_MAX:
         m = tl.load(M + stat_offs, mask=in_q, other=0.0)
+        if EXP2:
+            m = m * LOG2E
+        if FOLD:
+            m, delta = _fold_rows(m, inv_b, delta, EXP2)
+            tl.store(L2 + stat_offs, m, mask=in_q)
     else:
         m = 0.0
     tl.store(DELTA + stat_offs, delta, mask=in_q)
@@ -1192,12 +1188,12 @@ def bwd_fused_kernel(
     KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_SCORE_GRADS: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_FAST: tl.constexpr,
 ):
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
-                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS, FOLD)
     _, off_b, off_hk, pid_n, start_n, offs_n = _key_block_program(HKV, BLOCK_N, HEADS_FAST)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
@@ -1262,7 +1258,7 @@ def bwd_dw_kernel(
     KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_SCORE_GRADS: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
 ):
     bhk, off_b, off_hk, _, start_n, offs_n = _key_block_program(HKV, BLOCK_N, False)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
@@ -1525,7 +1521,7 @@ class AttentionKernels:
         self.maps = {**{h: identity for h in HOOKS}, **maps, "PRE": maps.get("PRE") or identity,
                      "DPRE": maps.get("DPRE") or identity}
         self.flags = dict(zip(FLAGS, (causal, has_weight, config.online_max, config.exp2, config.shared_map, has_pre,
-                                      has_score, has_mask, has_score_grads), strict=True))
+                                      has_score, has_mask, has_score_grads, config.fold), strict=True))
         self.spec = {**self.maps, **self.flags}  # the constexprs every map-evaluating kernel takes
         key, c = [*TUNE_KEY, *VALUE_KEY, *HOOK_KEY], config
         forward_tiles = c.forward_tiles + tuple(t for t in MEASURED_FORWARD_TILES if t not in c.forward_tiles)
@@ -1635,8 +1631,8 @@ class AttentionKernels:
         sizes = (scale, hq, hkv, hq // hkv, n_q, n_k, bucket(n_q), bucket(n_k), bucket(batch * hq), context, grads)
 
         delta = self.new((batch, hq, n_q), torch.float32, q.device) if delta_in is None else delta_in.clone()
-        # EXP2: the dK/dV side reads the folded statistics (`_fold_rows`): l2 in place of m, delta * b(z)
-        l2 = self.new((batch, hq, n_q), torch.float32, q.device) if self.flags["EXP2"] else m_arg
+        # FOLD: the dK/dV side reads the folded statistics (`_fold_rows`): l in place of m, delta * b(z)
+        l2 = self.new((batch, hq, n_q), torch.float32, q.device) if self.flags["FOLD"] else m_arg
         dk = self.new(k.shape, k.dtype, k.device)
         dv = self.new(v.shape, v.dtype, v.device)
 
@@ -1709,17 +1705,17 @@ class AttentionKernels:
               dq_acc: torch.Tensor | None = None, head_dim: int | None = None, delta_in: bool = False,
               m: torch.Tensor | None = None, l2: torch.Tensor | None = None) -> None:
         """delta (o, do: [B, H, N, DV]), added to what `delta` holds with delta_in, and the fp32 dQ accumulator
-        [B, H, N, head_tile(head_dim)] zeroed when one is given (head_dim: q's width; None: o's). With EXP2 and l2
-        given, the folded statistics for the dK/dV kernels: delta * b(z) into delta, l2 from m into l2."""
+        [B, H, N, head_tile(head_dim)] zeroed when one is given (head_dim: q's width; None: o's). With FOLD and l2
+        given, the folded statistics for the dK/dV kernels (FOLD): delta * b(z) into delta, l from m into l2."""
         batch, hq, n_q, value_dim = o.shape
         head_dim = value_dim if head_dim is None else head_dim
-        fold = self.flags["EXP2"] and l2 is not None
+        fold = self.flags["FOLD"] and l2 is not None
         fast(bwd_delta_kernel)[(triton.cdiv(n_q, DELTA_BLOCK_M), batch * hq)](
             o, do, z, m if fold else z, l2 if fold else z, delta, delta if dq_acc is None else dq_acc,
             *o.stride(), *do.stride(), hq, n_q,
             HEAD_DIM=head_tile(head_dim), D=head_dim, HEAD_DIM_V=head_tile(value_dim), DV=value_dim,
             BLOCK_M=DELTA_BLOCK_M, ZERO_DQ=dq_acc is not None, B=self.maps["B"], DB_OVER_B=self.maps["DB_OVER_B"],
-            DELTA_IN=delta_in, FOLD=fold,
+            DELTA_IN=delta_in, FOLD=fold, EXP2=self.flags["EXP2"],
         )
 
     def weight_gradient(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,

@@ -196,7 +196,7 @@ def fact_state_fwd_kernel(
     KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_SCORE_GRADS: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
 ):
@@ -262,13 +262,13 @@ def fact_fwd_kernel(
     KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_SCORE_GRADS: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
-                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS, FOLD)
     bh, bhk, off_b, off_h, off_hk, start_m, offs_m = _fact_query_program(HQ, GROUP, BLOCK_M)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     in_q = offs_m < N_Q
@@ -338,13 +338,13 @@ def fact_dq_kernel(
     KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_SCORE_GRADS: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
-                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS, FOLD)
     bh, bhk, off_b, off_h, off_hk, start_m, offs_m = _fact_query_program(HQ, GROUP, BLOCK_M)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     in_q = offs_m < N_Q
@@ -458,7 +458,7 @@ def fact_state_bwd_kernel(
     KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_SCORE_GRADS: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
 ):
@@ -509,13 +509,13 @@ def fact_dkdv_kernel(
     KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_SCORE_GRADS: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
-                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS, FOLD)
     bhk, off_b, off_hk, _, start_n, offs_n = _key_block_program(HKV, BLOCK_N, False)
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     in_k = offs_n < N_K
@@ -568,7 +568,7 @@ def fact_dkdv_kernel(
                 dk, dv, k, v, w, in_k, q_base, do_base, Z + stat_base, Z + stat_base, DELTA + stat_base,
                 stride_qm, stride_qd, stride_dom, stride_dod, start_n, lo, diag_end, chunk_end, N_Q, N_K, scale,
                 off_b, off_h, DK, 0, 0, (), (), BLOCK_M, BLOCK_N, HEAD_DIM, D, HEAD_DIM, D, PRECISION, False, False,
-                False, False, S,
+                False, S,
             )
     dk = dk * scale
     _store_key_block(DK, DV, dk, dv, off_b, off_hk, offs_n, offs_d, d_ok, offs_d, d_ok, in_k, stride_dkb, stride_dkh,

@@ -161,7 +161,7 @@ def decode_split_kernel(
     KEY_RANGE: tl.constexpr, QUERY_RANGE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ONLINE_MAX: tl.constexpr, EXP2: tl.constexpr,
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_SCORE_GRADS: tl.constexpr,
+    HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
 ):
     """One program per (split, batch * kv head): the partial state of keys [split * SPLIT_KEYS, + SPLIT_KEYS) for the
@@ -170,7 +170,7 @@ def decode_split_kernel(
     TMA: K and V are tensor descriptors (kernel.py's `_load_kv`), Q, O and the rest pointers."""
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
-                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS)
+                           HAS_SCORE, HAS_MASK, HAS_SCORE_GRADS, FOLD)
     pid_s = tl.program_id(0)
     bhk = tl.program_id(1)
     off_b = bhk // HKV

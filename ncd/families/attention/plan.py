@@ -206,13 +206,14 @@ def attention_config(maps: KernelMaps, online_max: bool, forward_tiles: tuple[tu
                      factorization: Factorization | None = None, score_modifier: bool = False) -> AttentionConfig:
     """The knobs the plan decides: the forward's autotune set (the cost ranking, else the measured default), the
     accumulation (running max; exp2 where a1 = a2 = a1' = a2' = exp and no pre-map takes the score first; a1 = a2
-    evaluated once), the factorized form's presence and head-dim limit (its chunk: the platform's, config.py), and
-    what NCD_* settings fill (`AttentionConfig.with_settings`)."""
-    exp2 = online_max and not maps.pre and not score_modifier and all(_same_expression(e, "tl.exp(x)")
-                                                for e in (maps.a1, maps.a2, maps.da1, maps.da2))
+    evaluated once; the backward's statistics folded where a1 = a2 = a1' = a2' = exp), the factorized form's
+    presence and head-dim limit (its chunk: the platform's, config.py), and what NCD_* settings fill
+    (`AttentionConfig.with_settings`)."""
+    fold = online_max and all(_same_expression(e, "tl.exp(x)") for e in (maps.a1, maps.a2, maps.da1, maps.da2))
+    exp2 = fold and not maps.pre and not score_modifier
     shared = _same_expression(maps.a1, maps.a2) and _same_expression(maps.da1, maps.da2)
     config = AttentionConfig(forward_tiles=tuple(forward_tiles) or DEFAULT_FORWARD_TILES, online_max=online_max,
-                             exp2=exp2, shared_map=shared).with_settings()
+                             exp2=exp2, shared_map=shared, fold=fold).with_settings()
     if factorization is None:
         return config
     return replace(config, factorized=True, fact_max_head_dim=factorization.max_head_dim)
