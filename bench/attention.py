@@ -169,7 +169,7 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool, impls=
     q, k, v = (torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE, generator=gen).requires_grad_()
                for _ in range(3))
     grad = torch.randn(batch, HEADS, n, DIM, device="cuda", dtype=DTYPE, generator=gen)
-    sph, smx = ops[("spherical", causal)], ops.get(("softmax", causal))
+    sph, smx = ops.get(("spherical", causal)), ops.get(("softmax", causal))  # --families may leave either out
     flops = 4.0 * batch * HEADS * n * n * DIM * (0.5 if causal else 1.0)
 
     def fwd(fn):
@@ -194,12 +194,12 @@ def bench_shape(n: int, causal: bool, ops, compiled, log, variants: bool, impls=
 
     cases = [
         ("sdpa", "fwd", fwd(sdpa)), ("sdpa", "fwdbwd", fwdbwd(sdpa)),
-        ("spherical", "fwd", fwd(sph)), ("spherical", "fwdbwd", fwdbwd(sph)),
+        *([("spherical", "fwd", fwd(sph)), ("spherical", "fwdbwd", fwdbwd(sph))] if sph is not None else []),
         *([("softmax", "fwd", fwd(smx)), ("softmax", "fwdbwd", fwdbwd(smx))] if smx is not None else []),
         ("eager_spherical", "fwd", fwd(eager)), ("eager_spherical", "fwdbwd", fwdbwd(eager)),
         ("compiled_spherical", "fwd", fwd(comp)), ("compiled_spherical", "fwdbwd", fwdbwd(comp)),
     ]
-    if _two_forms(sph):  # one form whatever the cost model picks
+    if sph is not None and _two_forms(sph):  # one form whatever the cost model picks
         streamed, factorized = _in_form(sph, "never"), _in_form(sph, "always")
         cases += [("spherical_streamed", "fwd", fwd(streamed)), ("spherical_streamed", "fwdbwd", fwdbwd(streamed)),
                   ("spherical_factorized", "fwd", fwd(factorized)),
