@@ -577,7 +577,7 @@ def _fold_rows(m, inv_b, delta, EXP2: tl.constexpr):
     EXP2, m the row max in the kernel's units) and delta * b(z), so that P = exp(s - l) and dS = P (dP - delta b(z))
     take no per-element 1 / b(z). A masked row (1 / b = 0) gets l = +inf, hence P = 0. Computed once per row by
     the kernel that computes delta: folded inside the dK/dV loop the same arithmetic measured 30-40% slower,
-    precomputed 23-31% faster (H100, bench/log/2026-11-26-issue32-s5.md)."""
+    precomputed 20-31% faster (H100, bench/log/2026-11-26-issue32-s5.md)."""
     live = inv_b != 0
     safe_inv_b = tl.where(live, inv_b, 1.0)  # no inf - inf in a masked row (m = -inf), no log of 0
     if EXP2:
