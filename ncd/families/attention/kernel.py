@@ -2,7 +2,7 @@
 
 What a spec decides enters as `tl.constexpr` arguments: the scalar maps as `@triton.jit` device functions
 (`A1`, `A2` and their derivatives `DA1`, `DA2`; `B` and `DB_OVER_B` = b'/b of the row normaliser; the stabiliser's
-pre-map `PRE` and `DPRE`) and flags (`CAUSAL`, `HAS_WEIGHT`, `ONLINE_MAX`, `EXP2`, `SAME_A`, `HAS_PRE`). Every
+pre-map `PRE` and `DPRE`) and flags (`CAUSAL`, `HAS_WEIGHT`, `ONLINE_MAX`, `EXP2`, `SAME_A`, `HAS_PRE`, `FOLD`). Every
 branch on them resolves at compile time, so each op compiles to the kernels its spec needs and nothing else.
 The generated module of an op (render.py) holds the device functions and an `AttentionKernels`
 (below) that launches these kernels with them.
@@ -23,7 +23,9 @@ The maths (``s_ij = scale * q_i . k_j``, optional causal mask, optional per-key 
 With ONLINE_MAX the kernels evaluate a1, a2 at ``s - m`` for a running row max ``m`` (valid when a1, a2 are
 exponentials and b is homogeneous of the matching degree) and rescale the accumulators by ``a1(m_old - m_new)``
 and ``a2(m_old - m_new)``. EXP2 (a1 = a2 = a1' = a2' = exp with the running max): the kernels evaluate exp2 with
-log2(e) folded into the scale (one FFMA and one MUFU.EX2 per score) instead of the hooks.
+log2(e) folded into the scale (one FFMA and one MUFU.EX2 per score) instead of the hooks. FOLD (a1 = a2 = a1' =
+a2' = exp, exp2 or not): the backward takes l_i = m_i + log b(z_i) and delta_i b(z_i) per row (`_fold_rows`), so
+that P = exp(s - l) and dS = P (dP - delta b) need no 1 / b(z) per score.
 
 A row with z_i = 0 (a masked row: no visible key of nonzero weight; or every a2 term 0) has output 0 and passes
 no gradient (FlexAttention's convention; docs/language.md).
