@@ -82,6 +82,19 @@ def test_masked_scores_far_above_the_row_max_overflow_nowhere(op_cache, stem):
         assert float((got.double() - want.detach()).norm() / want.detach().norm()) < 1e-4, name
 
 
+@pytest.mark.parametrize(("stem", "override"), [("softmax_attention", {"fold": False}),
+                                               ("alibi_softmax", {"exp2": True}),
+                                               ("sigmoid_attention", {"fold": True})])
+def test_what_the_maps_decide_is_not_a_config_override(op_cache, stem, override):
+    """exp2 and the backward's folded statistics hold only for exponential maps: a config that claims otherwise
+    would compute the wrong maths, so it is refused with the fields named."""
+    from ncd.families.attention.render import AttentionSpecError
+
+    op = _load(stem, op_cache)
+    with pytest.raises(AttentionSpecError, match=next(iter(override))):
+        op.with_config(**override)
+
+
 @pytest.mark.parametrize("stem", ["spherical_attention", "causal_softmax_attention"])
 def test_bf16_within_bf16_tolerance(op_cache, stem):
     # Causal spherical is left out on purpose: its first rows normalise by one or two scores, where

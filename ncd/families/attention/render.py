@@ -152,12 +152,16 @@ def _config_literal(config: AttentionConfig) -> str:
     return "\n".join([*lines, ")"])
 
 
-def spec_config(spec: AttentionKernelSpec, factorization: Factorization | None = None) -> AttentionConfig:
+_MAP_FACTS = ("online_max", "exp2", "shared_map", "fold")  # config fields the maps decide, not the user
+
+
+def spec_config(spec: AttentionKernelSpec, factorization: Factorization | None = None,
+                score_modifier: bool = False) -> AttentionConfig:
     """The config the plan would give `spec` (plan.py: attention_config); tests override fields of it."""
     from ncd.families.attention.plan import KernelMaps, attention_config
 
     maps = KernelMaps(spec.a1, spec.a2, spec.da1, spec.da2, spec.b, spec.db_over_b, spec.pre, spec.dpre)
-    return attention_config(maps, spec.online_max, spec.forward_configs, factorization)
+    return attention_config(maps, spec.online_max, spec.forward_configs, factorization, score_modifier)
 
 
 def render_attention_module(spec: AttentionKernelSpec, factorization: Factorization | None = None,
@@ -169,9 +173,15 @@ def render_attention_module(spec: AttentionKernelSpec, factorization: Factorizat
     if factorization is not None and spec.online_max:
         raise AttentionSpecError("the factorized form needs polynomial maps (no running max)")
     origin, origin_comment = _origins(spec)
-    if config is None:
-        config = spec_config(spec, factorization)
     modifiers = modifiers or NO_MODIFIERS
+    derived = spec_config(spec, factorization, modifiers.has_score)
+    if config is None:
+        config = derived
+    facts = [f for f in _MAP_FACTS if getattr(config, f) != getattr(derived, f)]
+    if facts:  # the kernels' arithmetic relies on these (e.g. the folded statistics' exp): an override is wrong maths
+        raise AttentionSpecError(f"the config's {', '.join(facts)} follow from the spec's maps (here "
+                                 f"{', '.join(f'{f}={getattr(derived, f)}' for f in facts)}): leave them out of "
+                                 "with_config")
     if modifiers.has_mask and (spec.causal or factorization is not None):
         raise AttentionSpecError("a mask hook replaces the causal flag, and rules out the factorized form")
     functions = [("a1", "x", spec.a1, "a1: numerator map"), ("a2", "x", spec.a2, "a2: normaliser map"),
