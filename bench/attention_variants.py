@@ -102,6 +102,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import triton
 
 # bench/attention.py, beside this script; it puts the checkout on sys.path where ncd is not installed
@@ -657,6 +658,20 @@ def bench(fn: Callable[[], Any], grads: list[torch.Tensor]) -> float:
     return ms
 
 
+def peak_mib(run: Callable[[], Any], grads: list[torch.Tensor]) -> float:
+    """MiB that one call allocates at its peak above what was allocated before it (inputs, dO): its saved tensors,
+    workspaces and the gradients it writes."""
+    for t in grads:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def time_case(impl: str, mode: str, run: Callable[[], Any], grads: list[torch.Tensor], row_base: Mapping,
               log) -> dict:
     row = {**row_base, "impl": impl, "mode": mode}
@@ -668,6 +683,8 @@ def time_case(impl: str, mode: str, run: Callable[[], Any], grads: list[torch.Te
         for t in grads:
             t.grad = None
         row["ms"] = bench(run, grads)
+        if ON_GPU and mode == "fwdbwd":
+            row["peak_mib"] = peak_mib(run, grads)
     except Exception as exc:
         row["ms"] = None
         row["note"] = "OOM" if _is_oom(exc) else first_line(exc)
@@ -715,6 +732,10 @@ def time_shape(variant: Variant, loaded: Loaded, shape: Shape, flex, compiled_de
                 return op(q_, k_, v_, **kwargs)
             rows.append(time_case("ncd", "fwd", fwd(ours), grads, base, log))
             rows.append(time_case("ncd", "fwdbwd", fwdbwd(ours), grads, base, log))
+    if ON_GPU:  # the memory yardstick: SDPA's plain attention of the same q, k, v (where it takes them)
+        def sdpa(q_, k_, v_):
+            return F.scaled_dot_product_attention(q_, k_, v_)
+        rows.append(time_case("sdpa", "fwdbwd", fwdbwd(sdpa), grads, base, log))
     if variant.softmax:
         score_mod, _ = flex_mods(variant, ex)
         t0 = time.time()
@@ -802,8 +823,8 @@ def timing_table(rows: list[dict], skipped: list[tuple[str, int, str]], not_time
         "PyTorch first, compiled with Flex), torch.compile of the dense eager formula (others). Targets: softmax "
         ">= 1.0x Flex fwd and fwd+bwd; others >= 3x torch.compile fwd+bwd")
     log("| variant | N | B | baseline | ncd fwd | base fwd | ratio fwd | ncd f+b | base f+b | ratio f+b | target | "
-        "met |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "met | peak MiB f+b: ncd / SDPA |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, n, batch in keys:
         variant = VARIANTS[name]
         base_impl = "flex" if variant.softmax else "compile"
@@ -826,12 +847,20 @@ def timing_table(rows: list[dict], skipped: list[tuple[str, int, str]], not_time
         same = nb is not None and nf is not None and nb.get("ms") is None and nb.get("note") == nf.get("note")
         cells = [name, str(n), str(batch), label, _ms(nf) if nf else not_timed.get(name, "-"), _ms(bf),
                  _fmt_ratio(ratios["fwd"]), "(as fwd)" if same else _ms(nb), _ms(bb), _fmt_ratio(ratios["fwdbwd"]),
-                 target_text(variant), met]
+                 target_text(variant), met, _memory(nb, by.get((name, n, "sdpa", "fwdbwd")))]
         log("| " + " | ".join(cells) + " |")
     for name, n, why in skipped:
         label = VARIANTS[name].baseline
         log(f"| {name} | {n} | - | {label} | {why} | - | - | - | - | - | {target_text(VARIANTS[name])} | "
-            "no: not timed |")
+            "no: not timed | - |")
+
+
+def _memory(ours: Mapping | None, sdpa: Mapping | None) -> str:
+    """ncd's f+b peak MiB / SDPA's (plain attention, same inputs; target <= 1.10 at N = 16k)."""
+    mine, theirs = (r.get("peak_mib") if r else None for r in (ours, sdpa))
+    if mine is None:
+        return "-"
+    return f"{mine:.0f} / {theirs:.0f} = {mine / theirs:.2f}" if theirs else f"{mine:.0f} / -"
 
 
 def _fmt_ratio(ratio: float | None) -> str:

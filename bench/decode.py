@@ -88,18 +88,25 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.sweep:
-        n_q, n_k, group = 1, 32768, 1
-        q = torch.randn(BATCH, HEADS, n_q, DIM, device="cuda", dtype=DTYPE)
-        k = torch.randn(BATCH, HEADS // group, n_k, DIM, device="cuda", dtype=DTYPE)
-        v = torch.randn_like(k)
-        for tma in (False, True):
-            for block_n in (32, 64, 128):
-                for splits in (1, 2, 3, 4, 5, 8, 16, 32):
+        n_q, n_k = 1, 32768
+        for group in (1, 4):
+            q = torch.randn(BATCH, HEADS, n_q, DIM, device="cuda", dtype=DTYPE)
+            k = torch.randn(BATCH, HEADS // group, n_k, DIM, device="cuda", dtype=DTYPE)
+            v = torch.randn_like(k)
+            sdpa = _time(F.scaled_dot_product_attention, q, k, v, enable_gqa=group > 1)
+            grid = [(tma, block_n, splits, warps, stages) for tma in (False, True) for block_n in (64, 128)
+                    for splits in (1, 2, 3, 4, 5, 8, 16) for warps in (4, 8) for stages in (2, 3, 4)]
+            for tma, block_n, splits, warps, stages in grid:
+                try:
                     ms = _time(dec.decode_forward, kernels, q, k, v, None, None, splits=splits, block_n=block_n,
-                               tma=tma)
-                    row = {"sweep": True, "tma": tma, "block_n": block_n, "splits": splits, "decode_ms": ms}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                               tma=tma, num_warps=warps, num_stages=stages)
+                except Exception as error:  # out of shared memory at large tiles x stages
+                    ms = None
+                    print(f"skip {tma} {block_n} {splits} {warps} {stages}: {type(error).__name__}", flush=True)
+                row = {"sweep": True, "group": group, "tma": tma, "block_n": block_n, "splits": splits,
+                       "warps": warps, "stages": stages, "decode_ms": ms, "sdpa_ms": sdpa}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "decode_bench.json").write_text(json.dumps(rows, indent=1))
     return 1 if failed else 0

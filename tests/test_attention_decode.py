@@ -224,8 +224,10 @@ def test_use_decode_rule():
 
 def test_split_count_rule():
     # few kv-head tiles: many splits, each at least MIN_SPLIT_BLOCKS blocks, at most MAX_SPLITS
-    assert dec.decode_splits(32768, 2, 64, 132) == dec.MAX_SPLITS
-    assert dec.decode_splits(32768, 128, 64, 132) == 5  # 4 programs an SM over 128 tiles
+    assert dec.decode_splits(32768, 1, 64, 132) == dec.MAX_SPLITS
+    assert dec.decode_splits(32768, 2, 64, 132) == 66  # one program an SM
+    assert dec.decode_splits(32768, 128, 64, 132) == 1  # 128 tiles already fill the SMs
+    assert dec.decode_splits(32768, 32, 64, 132) == 4
     assert dec.decode_splits(301, 4, 16, 132) == 4  # 19 blocks: 4 blocks a split at least
     assert dec.decode_splits(40, 4, 16, 132) == 1
     assert dec.decode_splits(32768, 10_000, 64, 132) == 1

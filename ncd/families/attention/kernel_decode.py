@@ -57,13 +57,16 @@ DECODE_MIN_KEYS = 1024
 # ... and few query tiles: the standard forward's programs (batch * query heads at N_Q <= 16) fill at most this many
 # waves of the GPU's SMs
 DECODE_MAX_WAVES = 2
-# How many splits (`decode_splits`): enough programs for this many per SM (memory-bound programs: several run on an
-# SM at a time), each split at least MIN_SPLIT_BLOCKS key blocks, at most MAX_SPLITS
-PROGRAMS_PER_SM = 4
+# How many splits (`decode_splits`): one program per SM over the batch * kv heads tiles (measured, H100, q = 1,
+# KV = 32k, B = 8, bf16: 128 tiles ran best unsplit, 0.697 ms against 0.720 at 5 splits; 32 tiles (GQA 4) best at
+# 4 splits, 0.196 ms against 0.213 at 16: a stream already at the memory bandwidth gains nothing from more programs,
+# and each split adds partial states to write and combine), each split at least MIN_SPLIT_BLOCKS key blocks, at most
+# MAX_SPLITS
+PROGRAMS_PER_SM = 1
 MIN_SPLIT_BLOCKS = 4
 MAX_SPLITS = 128
-NUM_WARPS, NUM_STAGES = 4, 3  # the split kernel's launch (untuned: no GPU measurement yet)
-USE_TMA = False  # K and V by bulk copies (Hopper) by default; bench/decode.py --sweep measures both
+NUM_WARPS, NUM_STAGES = 4, 3  # the split kernel's launch (bench/decode.py --sweep: the best at q = 1, KV = 32k)
+USE_TMA = False  # K and V by pointers: bulk copies measured no faster (bench/decode.py --sweep)
 CPU_SMS = 132  # the SM count assumed off the GPU (an H100's), so that the interpreter takes the GPU's decisions
 
 _SMS: dict[int, int] = {}
@@ -100,7 +103,7 @@ def decode_splits(n_k: int, kv_programs: int, block_n: int, sms: int) -> int:
     """Splits of the key axis: PROGRAMS_PER_SM programs per SM over the kv_programs (batch * kv heads) tiles, each
     split at least MIN_SPLIT_BLOCKS key blocks, at most MAX_SPLITS; at least 1."""
     blocks = triton.cdiv(n_k, block_n)
-    want = triton.cdiv(PROGRAMS_PER_SM * sms, max(kv_programs, 1))
+    want = PROGRAMS_PER_SM * sms // max(kv_programs, 1)
     return max(1, min(want, blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS))
 
 
@@ -296,14 +299,15 @@ def decode_combine_kernel(
 def decode_forward(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    w: torch.Tensor | None = None, scale: float | None = None, context: tuple | None = None, *,
                    splits: int | None = None, block_n: int | None = None, tma: bool | None = None,
-                   out_dtype: torch.dtype | None = None) -> tuple:
+                   out_dtype: torch.dtype | None = None, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES
+                   ) -> tuple:
     """`kernels.forward(q, k, v, w, scale, context)` by split-K decoding: the same arguments and returns,
     (o, (z, m)) with z, m float32 [B, Hq, Nq] (m None without the running max), the same O, Z, M (to rounding).
     splits: the number of key splits (None: `decode_splits` from N_K and the SM count); the split length is rounded
     up to whole key blocks, so fewer may run. One split stores the rows itself (no combine launch). block_n: keys per
     block (a power of two, at least 16; None: `decode_block_n`). tma: K and V read by bulk copies where
     `kernels.tma_ok` allows (None: USE_TMA, off until measured). out_dtype: o's (default q's; float32 where a sink
-    merges into o after: kernel_sink.py)."""
+    merges into o after: kernel_sink.py). num_warps, num_stages: the split kernel's launch (bench/decode.py --sweep)."""
     batch, hq, hkv, n_q, n_k, head_dim = kernels.shapes(q, k, v, w)
     if n_q == 0 or batch * hq == 0:  # no rows: nothing to split
         o, stats = kernels.forward(q, k, v, w, scale, context)
@@ -349,8 +353,8 @@ def decode_forward(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor, 
         scale, hq, hkv, group, n_q, n_k, split_blocks * block_n, context,
         **dims, PRECISION=kernels.precision(q.dtype), NEG_SCALE=scale < 0, UNIT_SCALE=scale == 1.0,
         TMA=use_tma,
-        **kernels.spec, BLOCK_M=block_m, BLOCK_N=block_n, FINAL=final, num_warps=NUM_WARPS,
-        num_stages=1 if _INTERPRET else NUM_STAGES,
+        **kernels.spec, BLOCK_M=block_m, BLOCK_N=block_n, FINAL=final, num_warps=num_warps,
+        num_stages=1 if _INTERPRET else num_stages,
     )
     if not final:
         spec = kernels.spec
