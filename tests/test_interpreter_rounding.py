@@ -1,0 +1,46 @@
+"""The interpreter's fp32 -> bf16 casts round as the GPU's (ncd/interpreter.py), bit for bit against torch."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import ncd  # noqa: F401  (importing ncd installs the rounding)
+from ncd.interpreter import bf16_bits, round_bf16_to_nearest
+
+EDGES = [1 + 0.75 * 2**-7, 1 + 0.25 * 2**-7, 1 + 0.5 * 2**-7, 1 + 1.5 * 2**-7, 1.9968703, -1.9968703, 0.0, -0.0,
+         3.3895314e38, 3.4028235e38, float("inf"), float("-inf"), 1e-40, -1e-40, 2.0**-133]
+
+
+@triton.jit
+def _cast(X, Y, N, BLOCK: tl.constexpr, EXPLICIT: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N)
+    if EXPLICIT:  # noqa: SIM108 (a constexpr branch: each variant compiles one cast)
+        y = x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    else:
+        y = x.to(tl.bfloat16)
+    tl.store(Y + offs, y, mask=offs < N)
+
+
+def _values() -> torch.Tensor:
+    draws = torch.randn(3001, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 3001)
+    return torch.cat([torch.tensor(EDGES, dtype=torch.float32), draws.float()])
+
+
+def test_kernel_casts_round_to_nearest_even_as_torch_does():
+    x = _values()
+    want = x.to(torch.bfloat16).view(torch.int16)
+    for explicit in (False, True):
+        y = torch.full(x.shape, float("nan"), dtype=torch.bfloat16)
+        _cast[(triton.cdiv(x.numel(), 512),)](x, y, x.numel(), BLOCK=512, EXPLICIT=explicit)
+        assert torch.equal(y.view(torch.int16), want), (explicit, (y.view(torch.int16) != want).sum())
+
+
+def test_bit_rounding_keeps_nan_a_nan_and_is_idempotent():
+    x = _values()
+    assert torch.equal(torch.from_numpy(bf16_bits(x.numpy()).view("int16")), x.to(torch.bfloat16).view(torch.int16))
+    nan = torch.from_numpy(bf16_bits([float("nan"), -float("nan")]).view("int16")).view(torch.bfloat16)
+    assert torch.isnan(nan.float()).all()
+    assert round_bf16_to_nearest() and round_bf16_to_nearest()
