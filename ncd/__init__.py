@@ -2,11 +2,8 @@
 
 from .cache import CacheError
 from .errors import NcdError
-from .interpreter import round_bf16_to_nearest
 from .ir import Program
 from .pipeline import FrontEnd, front_end, load_spec
-
-round_bf16_to_nearest()  # the CPU interpreter's bf16 rounded as the GPU's (interpreter.py)
 
 
 def load(path, cache_dir=None, sizes=None, options=None, config=None):

@@ -5,8 +5,9 @@ converts fp32 to bf16 by truncation, and its round-to-nearest branch drops the c
 1.0). The GPU rounds to nearest even (`cvt.rn.bf16.f32`). Truncation biases every rounded P and O towards zero, and
 the bias, amplified by 1/b(z) in the backward's delta, failed bf16 checks that the GPU passes (measured:
 sliding_window_spherical's bf16 dQ at `ncd check --seed 1`, 3.8e-2 truncated, 2.7e-3 rounded; bench/log/
-2026-11-26-issue32-s6.md). `round_bf16_to_nearest` replaces that one conversion of the interpreter's builder; a
-Triton without the method it wraps is left alone (tests/test_interpreter_rounding.py then fails).
+2026-11-26-issue32-s6.md). `round_bf16_to_nearest` (called by ncd/launch.py, which every kernel module imports)
+replaces that one conversion of the interpreter's builder; a Triton without the method it wraps is left alone
+(tests/test_interpreter_rounding.py then fails).
 """
 
 from __future__ import annotations

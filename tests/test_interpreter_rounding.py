@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-import ncd  # noqa: F401  (importing ncd installs the rounding)
+import ncd.launch  # noqa: F401  (the kernel modules' import of it installs the rounding)
 from ncd.interpreter import bf16_bits, round_bf16_to_nearest
 
 EDGES = [1 + 0.75 * 2**-7, 1 + 0.25 * 2**-7, 1 + 0.5 * 2**-7, 1 + 1.5 * 2**-7, 1.9968703, -1.9968703, 0.0, -0.0,
