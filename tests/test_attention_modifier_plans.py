@@ -244,3 +244,20 @@ out O[batch head query dim] = A . V over key
     expected = torch.autograd.grad(want, exact, do.double())
     for a, e in zip(got, expected, strict=True):  # (fp32 scores near -1200 carry ~1e-4 absolute error: 2e-3)
         assert ((a.double() - e).norm() / e.norm()) < 2e-3
+
+
+def test_a_bias_table_the_batch_shares_gets_heads_fast_forward_tiles():
+    """A [head, query, key] bias is read again by every batch entry; heads-fast grid orders bring one tile's batch
+    entries together in time (plan.py: batch_shared_table), so the forward's autotune set gets them. A table read at
+    an index expression of positions (T5) is small and a per-head slope has no key axis: their sets stay as before."""
+    from ncd.backend import plan
+
+    def forward_tiles(stem: str) -> tuple:
+        front = ncd.front_end((ROOT / "specs" / f"{stem}.ncd").read_text(), f"{stem}.ncd")
+        return plan(front).config.forward_tiles
+
+    biased = forward_tiles("biased_softmax")
+    assert any(len(t) == 5 and t[4] == 1 for t in biased)
+    assert len(set(biased)) == len(biased)
+    for stem in ("alibi_softmax", "t5_bias_softmax", "causal_softmax_attention"):
+        assert all(len(t) == 4 or t[4] == 0 for t in forward_tiles(stem)), stem

@@ -306,7 +306,7 @@ def decode_forward(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor, 
     splits: the number of key splits (None: `decode_splits` from N_K and the SM count); the split length is rounded
     up to whole key blocks, so fewer may run. One split stores the rows itself (no combine launch). block_n: keys per
     block (a power of two, at least 16; None: `decode_block_n`). tma: K and V read by bulk copies where
-    `kernels.tma_ok` allows (None: USE_TMA, off until measured). out_dtype: o's (default q's; float32 where a sink
+    `kernels.tma_ok` allows (None: USE_TMA, off: measured no faster). out_dtype: o's (default q's; float32 where a sink
     merges into o after: kernel_sink.py). num_warps, num_stages: the split kernel's launch (bench/decode.py --sweep)."""
     batch, hq, hkv, n_q, n_k, head_dim = kernels.shapes(q, k, v, w)
     if n_q == 0 or batch * hq == 0:  # no rows: nothing to split

@@ -20,10 +20,10 @@ from ncd.cost import (
     rank_configs,
 )
 from ncd.errors import NotStreamable
-from ncd.families.attention.config import DEFAULT_FORWARD_TILES, AttentionConfig
+from ncd.families.attention.config import DEFAULT_FORWARD_TILES, MEASURED_FORWARD_TILES, AttentionConfig
 from ncd.families.attention.factorize import Factorization, factorize
+from ncd.families.attention.modifiers import BATCH, KEY, QUERY, Modifiers
 from ncd.families.attention.modifiers import NONE as NO_MODIFIERS
-from ncd.families.attention.modifiers import Modifiers
 from ncd.families.attention.modifiers import derive as derive_modifiers
 from ncd.families.attention.prologue import Transform, drawn_input, operand, transforms
 from ncd.families.attention.sinks import SinkPlan, UnsupportedSink, plan_sink
@@ -406,8 +406,30 @@ def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan |
     config = attention_config(maps, cert.rescale is not None, tiles, factorization, modifiers.has_score)
     if modifiers.has_mask:  # the dQ-from-dS kernel would read tiles the mask's ranges never wrote (kernel.py)
         config = replace(config, ds_buffer_bytes=0)
+    if batch_shared_table(modifiers):
+        best = (*config.forward_tiles[:HEADS_FAST_TILES], *MEASURED_FORWARD_TILES)
+        config = replace(config, forward_tiles=config.forward_tiles + heads_fast(best))
     return AttentionPlan(cert, r, maps, shown, estimates, factorization, shape, factorized_cost, config, modifiers,
                          sink)
+
+
+# A [.., query, key] table that the batch shares (an additive bias [head, query, key]) is read again by every batch
+# entry: in the forward's default grid order the same head's rows return after every other head's, past the L2 (bias
+# [16, 1k, 1k] fp32 is 64 MiB; H100, N 1k, B 32: 0.68x Flex's forward, bench/log/2026-11-26-issue32-s6.md). Grids
+# with the batch * heads axis fast bring a tile's batch entries together; the autotuner gets heads-fast copies of the
+# best-ranked and the measured forward tiles to measure beside the others.
+HEADS_FAST_TILES = 3
+
+
+def batch_shared_table(modifiers: Modifiers) -> bool:
+    """Whether a modifier tensor has query and key dimensions and no batch dimension (a table of positions read at
+    an index expression, T5's, is small: not this)."""
+    return any(QUERY in t.roles and KEY in t.roles and BATCH not in t.roles for t in modifiers.tensors)
+
+
+def heads_fast(tiles: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """The tiles with the heads-fast grid order (each once)."""
+    return tuple(dict.fromkeys((*t[:4], 1) for t in tiles))
 
 
 def _normalize_of(program: ir.Program, cert: Certificate) -> ir.Normalize | None:
