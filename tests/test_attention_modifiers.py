@@ -510,3 +510,17 @@ def test_modifiers_change_the_reference(stem, plain):
     without = (dense_reference(case.variant, plain(x)) if plain is not None
                else dense_reference(VARIANTS["document_softmax"], x))  # the same documents, scores uncapped
     assert _error(without, out) > 100 * TOL
+
+
+def test_a_batch_shared_bias_under_the_heads_fast_grid_matches_float64(tmp_path):
+    """The heads-fast launch order that plan.batch_shared_table adds to a [head, query, key] bias's forward tiles
+    (the interpreter keeps one config: forced here, in every kernel) reads the bias at the same positions."""
+    case = next(c for c in CASES if c.stem == "biased_softmax")
+    op = _load(case.stem, tmp_path)
+    for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+        getattr(op.module.KERNELS, f"{kernel}_kernel").configs[0].kwargs["HEADS_FAST"] = 1
+    x, grad_out = _draw(case)
+    assert x["Q"].shape[0] > 1 and x["Q"].shape[1] > 1  # several batch entries and heads share the program axis
+    out, grads = _run_op(op, case, x, grad_out)
+    ref, ref_grads = _reference(case, x, grad_out)
+    _assert_matches(case, out, grads, ref, ref_grads, grad_out)
