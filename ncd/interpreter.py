@@ -35,12 +35,13 @@ def round_bf16_to_nearest() -> bool:
         return False
     builder = getattr(interpreter, "InterpreterBuilder", None)
     handle = getattr(interpreter, "TensorHandle", None)
-    if builder is None or handle is None or not hasattr(builder, "cast_impl"):
+    if builder is None or handle is None or not hasattr(builder, "cast_impl") or not hasattr(interpreter, "_ir"):
         return False
     if getattr(builder.cast_impl, "ncd_rounds_bf16", False):
         return True
     truncating = builder.cast_impl
     to_fp = builder.create_fp_to_fp
+    rtz = interpreter._ir.ROUNDING_MODE.RTZ  # the one mode asked for by name that keeps truncating
 
     def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
@@ -48,8 +49,7 @@ def round_bf16_to_nearest() -> bool:
         return truncating(self, src, dst_type)
 
     def create_fp_to_fp(self: Any, src: Any, dst_type: Any, rounding_mode: Any) -> Any:
-        rtz = rounding_mode is not None and "RTZ" in str(rounding_mode)
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16 and not rtz:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16 and rounding_mode != rtz:
             return handle(bf16_bits(src.data), dst_type.scalar)
         return to_fp(self, src, dst_type, rounding_mode)
 
