@@ -524,3 +524,66 @@ def test_a_batch_shared_bias_under_the_heads_fast_grid_matches_float64(tmp_path)
     out, grads = _run_op(op, case, x, grad_out)
     ref, ref_grads = _reference(case, x, grad_out)
     _assert_matches(case, out, grads, ref, ref_grads, grad_out)
+
+
+class _Launches:
+    """A kernel that counts its launches (`kernel[grid](...)`) and otherwise is the kernel."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.count = kernel, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+def test_a_bias_that_asks_for_no_gradient_gets_no_gradient_adds_and_the_stored_ds_backward(op_cache, monkeypatch):
+    """The biased spec's bias is an `in` whose gradient the caller may not want (a fixed relative-position table):
+    the backward then passes no gradient buffers, so its kernels compile without the atomic adds (HAS_SCORE_GRADS
+    off; a kernel that kept them would index an empty G), and Q, K, V's gradients still match float64. A score
+    modifier without a mask keeps the dQ-from-dS backward: its always-true mask hook hides no pair."""
+    case = next(c for c in CASES if c.stem == "biased_softmax")
+    op = _load(case.stem, op_cache)
+    kernels = op.module.KERNELS
+    assert not kernels.mask_hides and op.plan.config.ds_buffer_bytes > 0
+    buffers = []
+    backward = op.module.backward
+
+    def spy(*args, **kwargs):
+        buffers.append(args[9])  # (do, q, k, v, o, stats, w, scale, context, grads, ...)
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(op.module, "backward", spy)
+    from_ds = _Launches(kernels.bwd_dq_ds_kernel)
+    monkeypatch.setattr(kernels, "bwd_dq_ds_kernel", from_ds)
+    x, grad_out = _draw(case)
+    qkv = ("Q", "K", "V")
+    leaves = {n: t.detach().clone().requires_grad_(n in qkv) for n, t in x.items()}
+    with raise_float_errors(), _one_thread():
+        out = op(leaves["Q"], leaves["K"], leaves["V"], bias=leaves["bias"])
+        grads = dict(zip(qkv, torch.autograd.grad(out, [leaves[n] for n in qkv], grad_out), strict=True))
+    ref, ref_grads = _reference(case, x, grad_out)
+    _assert_matches(case, out, grads, ref, {n: ref_grads[n] for n in qkv}, grad_out)
+    assert buffers == [()] and from_ds.count == 1
+    # asked for, the bias's gradient comes through the same stored-dS backward
+    out, grads = _run_op(op, case, x, grad_out)
+    assert len(buffers[1]) > 0 and from_ds.count == 2
+    _assert_matches(case, out, grads, ref, ref_grads, grad_out)
+
+
+def test_a_negative_scale_under_a_score_modifier_keeps_the_running_max_of_the_modified_scores(op_cache):
+    """The forward streams a score modifier's spec in base 2 (a1 = a2 = exp): the modifier takes the natural score
+    scale * q.k, so the row max is a max of the modified scores even where the scale is negative (the unmodified
+    path takes the min of q.k then). Logits of +-100 here: a min in its place overflows exp2 into inf."""
+    case = next(c for c in CASES if c.stem == "biased_softmax")
+    op = _load(case.stem, op_cache)
+    assert op.module.KERNELS.forward_spec["EXP2"] and not op.module.KERNELS.spec["EXP2"]
+    x, grad_out = _draw(case)
+    x["scale"] = -3.0
+    out, grads = _run_op(op, case, x, grad_out)
+    ref, ref_grads = _reference(case, x, grad_out)
+    assert float(ref.abs().amax()) > 0 and float((_scale(x) * x["Q"] @ x["K"].transpose(-1, -2)).abs().amax()) > 60
+    _assert_matches(case, out, grads, ref, ref_grads, grad_out)

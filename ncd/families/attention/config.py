@@ -36,7 +36,8 @@ class AttentionConfig:
     fp32_precision: str = "ieee"
     low_precision: str = "tf32"
     # accumulation: fp32 accumulators; a running row max (softmax-like maps); exp2 with log2(e) folded into the
-    # scale where a1 = a2 = a1' = a2' = exp and no pre-map or score modifier; a1 == a2 evaluated once; the
+    # scale where a1 = a2 = a1' = a2' = exp and no pre-map or score modifier (the forward's: with them too,
+    # kernel.py `forward_spec`); a1 == a2 evaluated once; the
     # backward's row statistics folded (m + log b(z), delta b(z)) where a1 = a2 = a1' = a2' = exp
     online_max: bool = False
     exp2: bool = False

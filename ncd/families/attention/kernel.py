@@ -332,8 +332,17 @@ def _fwd_block(
     in_k = offs_n < N_K
     k, v = _load_kv(k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd, start_n, offs_n, in_k, offs_d, d_ok,
                     offs_dv, dv_ok, off_b, off_hk, MASKED, TMA, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
+    NATURAL: tl.constexpr = S.HAS_SCORE or S.HAS_PRE  # EXP2 after a modifier: qk_scale = log2(e), s natural
+    NEG: tl.constexpr = NEG_SCALE and not NATURAL
     if S.EXP2:
         qk = _dot(q, tl.trans(k), None, PRECISION)  # scaled below, in base-2 units
+        if NATURAL:  # the modifier and the pre-map take the natural score
+            if not UNIT_SCALE:
+                qk = qk * scale
+            if S.HAS_SCORE:
+                qk = S.SCORE(qk, offs_m[:, None], offs_n[None, :], off_b, off_h, C)
+            if S.HAS_PRE:
+                qk = S.PRE(qk)
     else:
         s = _dot(q, tl.trans(k), None, PRECISION)
         if not UNIT_SCALE:  # scale == 1 (e.g. spherical, where any positive scale cancels): skip the multiply
@@ -359,7 +368,7 @@ def _fwd_block(
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # where exp(s - 0) underflows); 0 stands in
             p = tl.math.exp2(qk - m_use[:, None])
         else:
-            if NEG_SCALE:
+            if NEG:
                 m_new = tl.maximum(m, tl.min(qk, 1) * qk_scale)
             else:
                 m_new = tl.maximum(m, tl.max(qk, 1) * qk_scale)
@@ -422,7 +431,12 @@ def _fwd_inner(
     k_src, v_src: TMA descriptors of K, V when TMA, else pointers at the head."""
     offs_d, d_ok = _head_columns(HEAD_DIM, D)
     offs_dv, dv_ok = _value_columns(offs_d, d_ok, HEAD_DIM, D, HEAD_DIM_V, DV)
-    qk_scale = scale * LOG2E  # EXP2: s * log2(e) - m2 = (s - m) * log2(e), exp(x) = exp2(x log2 e)
+    # EXP2: s * log2(e) - m2 = (s - m) * log2(e), exp(x) = exp2(x log2 e); after a score modifier or a pre-map
+    # (their s natural), log2(e) alone
+    if S.HAS_SCORE or S.HAS_PRE:
+        qk_scale = LOG2E
+    else:
+        qk_scale = scale * LOG2E
     for start_n in range(lo, full_end, BLOCK_N):
         acc, z, m = _fwd_block(acc, z, m, q, k_src, v_src, w_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                stride_wn, start_n, offs_m, offs_d, d_ok, offs_dv, dv_ok, N_K, scale, qk_scale, off_b,
@@ -1421,7 +1435,7 @@ def _element_bytes(named_args: dict) -> int:
 # text keeps them apart as well).
 TUNE_KEY = ["HEAD_DIM", "Q_BUCKET", "K_BUCKET", "WORK", "PRECISION"]
 VALUE_KEY = ["HEAD_DIM_V"]  # (the kernels that read v, o or dO: all but the dQ-from-dS one)
-HOOK_KEY = ["A1", "A2", "B", "PRE", "SCORE", "MASK"]
+HOOK_KEY = ["A1", "A2", "B", "PRE", "SCORE", "MASK", "HAS_SCORE_GRADS"]
 
 
 def autotuned(kernel: Any, configs: list, key: list[str], prune: Callable = _prune, **options: Any) -> Any:
@@ -1505,7 +1519,7 @@ class AttentionKernels:
 
     def __init__(self, name: str, config: AttentionConfig, maps: dict[str, Any], namespace: dict[str, Any], *,
                  causal: bool, has_weight: bool, has_score: bool = False, has_mask: bool = False,
-                 has_score_grads: bool = False) -> None:
+                 mask_hides: bool = True, has_score_grads: bool = False) -> None:
         missing, unknown = set(MAPS[:6]) - set(maps), set(maps) - set(MAPS) - set(HOOKS)
         if missing or unknown:
             raise ValueError(f"{name}: the maps are {', '.join(MAPS)} (PRE and DPRE optional) and the hooks "
@@ -1519,12 +1533,16 @@ class AttentionKernels:
                              "QUERY_RANGE (modifiers.py); the causal flag and a mask hook exclude each other")
         self.name, self.config, self.ns = name, config, namespace
         self.causal, self.has_weight, self.modified = causal, has_weight, has_score or has_mask
+        self.mask_hides = has_mask and mask_hides  # (False: the always-true hook of a score modifier: modifiers.py)
         has_pre = maps.get("PRE") is not None
         self.maps = {**{h: identity for h in HOOKS}, **maps, "PRE": maps.get("PRE") or identity,
                      "DPRE": maps.get("DPRE") or identity}
         self.flags = dict(zip(FLAGS, (causal, has_weight, config.online_max, config.exp2, config.shared_map, has_pre,
                                       has_score, has_mask, has_score_grads, config.fold), strict=True))
         self.spec = {**self.maps, **self.flags}  # the constexprs every map-evaluating kernel takes
+        # the forward streams in base 2 wherever the maps are exp (FOLD), after a score modifier or a pre-map too
+        # (it applies them to the natural score first); the backward's EXP2 leaves those out (`_score_grads`)
+        self.forward_spec = {**self.spec, "EXP2": config.exp2 or (config.fold and (has_score or has_pre))}
         key, c = [*TUNE_KEY, *VALUE_KEY, *HOOK_KEY], config
         forward_tiles = c.forward_tiles + tuple(t for t in MEASURED_FORWARD_TILES if t not in c.forward_tiles)
         self.fwd_kernel = autotuned(fwd_kernel, tile_configs("fwd", forward_tiles), [*key, "TMA"])
@@ -1608,7 +1626,8 @@ class AttentionKernels:
             scale, hq, hq // hkv, n_q, n_k, bucket(n_q), bucket(n_k), bucket(batch * hq), context, (),
             *sink_args, HEAD_DIM=head_tile(head_dim), D=head_dim, HEAD_DIM_V=head_tile(value_dim), DV=value_dim,
             PRECISION=self.precision(q.dtype), NEG_SCALE=scale < 0, UNIT_SCALE=scale == 1.0, TMA=tma,
-            SINK=0 if sink is None else 1 if logits is None else 2, SINK_MAP=sink_map or identity, **self.spec,
+            SINK=0 if sink is None else 1 if logits is None else 2, SINK_MAP=sink_map or identity,
+            **self.forward_spec,
         )
         return o, (z, m)
 
@@ -1619,6 +1638,8 @@ class AttentionKernels:
         into which the dK/dV kernels add the modifier tensors' gradients (modifiers.py), zeroed by the caller.
         delta_in: fp32 [B, H, N_Q] added to each row's delta (the row statistic's gradient: runtime.py)."""
         context = self._context(context)
+        # no gradient buffers: no modifier tensor asked for a gradient, and the kernels skip their atomic adds
+        spec = self.spec if grads else {**self.spec, "HAS_SCORE_GRADS": False}
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         value_dim = v.shape[3]
         widths = {"HEAD_DIM": head_tile(head_dim), "D": head_dim, "HEAD_DIM_V": head_tile(value_dim), "DV": value_dim}
@@ -1653,7 +1674,7 @@ class AttentionKernels:
                 descriptor(q, tma), k, v, w_arg, descriptor(do, tma), z, l2, delta, dk, dv, ds_arg,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *w_strides, row,
                 *sizes, **widths, PRECISION=precision, TMA=tma, STORE_DS=ds is not None,
-                DS_BULK=bulk, **self.spec,
+                DS_BULK=bulk, **spec,
             )
 
         if not self.config.deterministic_bwd:
@@ -1663,7 +1684,7 @@ class AttentionKernels:
             fast(self.bwd_fused_kernel)[grid_dkdv](
                 q, k, v, w_arg, do, z, l2, delta, dk, dv, dq_acc,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *w_strides,
-                *sizes, **widths, PRECISION=precision, **self.spec,
+                *sizes, **widths, PRECISION=precision, **spec,
             )
             dq = self.new(q.shape, q.dtype, q.device)
             fast(bwd_dq_cast_kernel)[(triton.cdiv(n_q, DELTA_BLOCK_M), batch * hq)](
@@ -1675,9 +1696,9 @@ class AttentionKernels:
         # rows of the stored dS padded to 8 elements: TMA needs 16-byte aligned strides
         row = -(-n_q // 8) * 8
         ds = None
-        # (not with a mask hook: the dQ-from-dS kernel reads every tile of its key range, and the dK/dV kernel
-        # writes only those the mask's query ranges reach)
-        if batch * hq * n_k * row * q.element_size() <= self.config.ds_buffer_bytes and not self.flags["HAS_MASK"]:
+        # (not with a mask hook that hides pairs: the dQ-from-dS kernel reads every tile of its key range, and the
+        # dK/dV kernel writes only those the mask's query ranges reach)
+        if batch * hq * n_k * row * q.element_size() <= self.config.ds_buffer_bytes and not self.mask_hides:
             with contextlib.suppress(torch.OutOfMemoryError):  # the buffer only saves work: else recompute
                 ds = self.new((batch * hq, n_k, row), q.dtype, q.device)
         if ds is not None:
@@ -1698,7 +1719,7 @@ class AttentionKernels:
             q, descriptor(k, tma), descriptor(v, tma), w_arg, o, do, z, m_arg, l2, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *w_strides,
             scale, hq, hq // hkv, n_q, n_k, *sizes[6:], **widths, PRECISION=precision, TMA=tma,
-            DELTA_IN=delta_in is not None, **self.spec,
+            DELTA_IN=delta_in is not None, **spec,
         )
         dkdv_kernel()
         return dq, dk, dv

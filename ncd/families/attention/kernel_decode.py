@@ -353,11 +353,11 @@ def decode_forward(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor, 
         scale, hq, hkv, group, n_q, n_k, split_blocks * block_n, context,
         **dims, PRECISION=kernels.precision(q.dtype), NEG_SCALE=scale < 0, UNIT_SCALE=scale == 1.0,
         TMA=use_tma,
-        **kernels.spec, BLOCK_M=block_m, BLOCK_N=block_n, FINAL=final, num_warps=num_warps,
+        **kernels.forward_spec, BLOCK_M=block_m, BLOCK_N=block_n, FINAL=final, num_warps=num_warps,
         num_stages=1 if _INTERPRET else num_stages,
     )
     if not final:
-        spec = kernels.spec
+        spec = kernels.forward_spec
         fast(decode_combine_kernel)[(batch * hkv,)](
             o, z, m_arg, acc_p, z_p, m_p, *o.stride(), hq, hkv, group, n_q, splits,
             **dims, A1=spec["A1"], A2=spec["A2"], B=spec["B"], ONLINE_MAX=spec["ONLINE_MAX"], EXP2=spec["EXP2"],

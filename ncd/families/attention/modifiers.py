@@ -74,6 +74,9 @@ class Modifiers:
     # the batch, the head); the hooks `_key_bound`, `_query_bound` are then the compile-time bounds the tables'
     # scan stays inside, and `_key_range`, `_query_range` read the tables at the end of C
     tables: tuple[bool, bool] | None = None
+    # the mask hook can hide a (query, key) pair inside the bounds: False for the always-true hook of a score
+    # modifier without a mask, whose ranges cover every block (the dQ-from-dS backward reads every tile)
+    hides: bool = True
 
     @property
     def grad_tensors(self) -> tuple[ModTensor, ...]:
@@ -400,7 +403,7 @@ def derive(program: ir.Program, cert: Certificate, q_axes: tuple[str, ...], k_ax
     return Modifiers(cert.modifier is not None, True, tensors,
                      tuple(sorted(ctx.scalars, key=ctx.scalars.__getitem__)),
                      tuple(sorted(ctx.sizes, key=ctx.sizes.__getitem__)), tuple(ctx.layout), "\n".join(parts),
-                     tuple(description), tables)
+                     tuple(description), tables, hides=mask is not None)
 
 
 def _reads_batch_head(ctx: _Context, mask: ir.Node | None) -> tuple[bool, bool]:

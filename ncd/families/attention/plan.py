@@ -404,7 +404,7 @@ def plan_attention(front: FrontEnd, bindings: dict[str, int]) -> AttentionPlan |
     estimates = tuple(rank_configs(shape))
     tiles = tuple((e.config.block_m, e.config.block_n, e.config.num_warps, e.config.num_stages) for e in estimates)
     config = attention_config(maps, cert.rescale is not None, tiles, factorization, modifiers.has_score)
-    if modifiers.has_mask:  # the dQ-from-dS kernel would read tiles the mask's ranges never wrote (kernel.py)
+    if modifiers.has_mask and modifiers.hides:  # the dQ-from-dS kernel would read tiles the ranges never wrote
         config = replace(config, ds_buffer_bytes=0)
     if batch_shared_table(modifiers):
         best = (*config.forward_tiles[:HEADS_FAST_TILES], *MEASURED_FORWARD_TILES)

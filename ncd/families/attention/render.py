@@ -237,7 +237,7 @@ def render_attention_module(spec: AttentionKernelSpec, factorization: Factorizat
 def _modifier_flags(modifiers: Modifiers) -> list[str]:
     if not modifiers.has_mask:
         return []
-    return [f"    has_score={modifiers.has_score}, has_mask={modifiers.has_mask}, "
+    return [f"    has_score={modifiers.has_score}, has_mask={modifiers.has_mask}, mask_hides={modifiers.hides}, "
             f"has_score_grads={bool(modifiers.grad_tensors)},"]
 
 

@@ -222,14 +222,18 @@ class AttentionOp:
         sinks = saved[4 + n:5 + n] if self.sink_tensor else ()
         mod_tensors, saved = saved[4:4 + n], (*saved[:4], *saved[4 + n + len(sinks):])
         context = self._context(saved[0], saved[1], mod_tensors, mod_constants, columns=True)
-        buffers, grad_args = self._grad_buffers(mod_tensors)
+        # a modifier tensor's gradient where the caller asked for one (needs: one per argument, after _ARGS); none
+        # asked: no buffers, and the kernels leave out their atomic adds (kernel.py)
+        wanted = [grad and needs[len(_ARGS) + i] for i, (_, _, grad) in enumerate(self.mod_tensors)]
+        buffers, grad_args = self._grad_buffers(mod_tensors) if any(wanted) else ([], ())
         if delta_in is None:
             dq, dk, dv = self.ns["backward_from_saved"](do, *saved, scale, context, grad_args)
         else:
             dq, dk, dv = self.ns["backward_from_saved"](do, *saved, scale, context, grad_args, delta_in)
         mod_grads = iter(buffers)
-        raw = [next(mod_grads).to(t.dtype) if grad else None
+        raw = [next(mod_grads).to(t.dtype) if grad and buffers else None
                for t, (_, _, grad) in zip(mod_tensors, self.mod_tensors, strict=True)]
+        raw = [g if want else None for g, want in zip(raw, wanted, strict=True)]
         dsink = []
         if sinks and self.sink is not None and self.sink[3]:
             o, z, m = saved[4:7]
@@ -251,7 +255,8 @@ class AttentionOp:
         mods = saved[4:4 + len(self.mod_tensors)]
         sink = [torch.empty_like(saved[4 + len(mods)])] if self.sink_tensor and self.sink and self.sink[3] else []
         return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dw,
-                *[torch.empty_like(t) for t, (_, _, grad) in zip(mods, self.mod_tensors, strict=True) if grad],
+                *[torch.empty_like(t) if needs[len(_ARGS) + i] else q.new_empty(0)
+                  for i, (t, (_, _, grad)) in enumerate(zip(mods, self.mod_tensors, strict=True)) if grad],
                 *sink]
 
     # --- calls --------------------------------------------------------------------------------------------------
