@@ -230,7 +230,12 @@ class _Recognizer:
         if len(states) != 1:
             raise _fail(value, "expected one side of the output contraction to be a scanned state (`scan(...)`)")
         u_name = states[0].tensor
-        qa_name, qa_value = self.let_of(sides[1] if sides[0] is states[0] else sides[0], "the query side", value)
+        reader = sides[1] if sides[0] is states[0] else sides[0]
+        if isinstance(reader, ir.Load) and reader.tensor not in self.lets:
+            raise _fail(value, f"{u_name} is read by {reader.tensor} directly (gated linear attention, no ridge solve);"
+                        " the recurrence kernels compile the Gated KalmaNet form only, where the state is read "
+                        "through a chebyshev_solve of a second scanned state (specs/gka.ncd)")
+        qa_name, qa_value = self.let_of(reader, "the query side", value)
         kdim = value.over[0]
 
         x_name, q_name, alpha = self.alpha_connection(qa_name, qa_value)
