@@ -100,7 +100,7 @@ def check(op, failures, variants):
     for dtype, tol_o, tol_g in ((torch.float32, 1e-2, 2e-2), (torch.bfloat16, 1e-2, 3e-2)):
         inputs = draw(1, 300, 2, dtype, seed=1)
         do = torch.randn(1, 300, 2, D, device="cuda", dtype=dtype)
-        o, grads = grads_of(lambda *t: module.chunk(*t)[0], inputs, do)
+        o, grads = grads_of(lambda *t: module.chunk(*t[:5], alpha=t[5])[0], inputs, do)
         ref, ref_grads = grads_of(lambda *t: naive_gka(*t)[0], [t.double() for t in inputs], do.double())
         for name, a, b in zip(names, (o, *grads), (ref, *ref_grads), strict=True):
             err, tol = rel(a, b), (tol_o if name == "o" else tol_g)
@@ -125,7 +125,7 @@ def check(op, failures, variants):
     for variant in variants:
         dot, grad = (None if p in ("", "default") else p for p in [*variant.split(":"), ""][:2])
         variant = configured(op, dot_precision=dot, grad_precision=grad)
-        o, grads = grads_of(lambda *t: variant.chunk(*t)[0], inputs, do)  # noqa: B023 (called at once)
+        o, grads = grads_of(lambda *t: variant.chunk(*t[:5], alpha=t[5])[0], inputs, do)  # noqa: B023 (called at once)
         errs = [rel(a, b) for a, b in zip((o, *grads), (ref, *ref_grads), strict=True)]
         RESULTS[f"check chunked {variant}"] = dict(zip(names, errs, strict=True))
         bad = [n for n, e in zip(names, errs, strict=True) if not e <= (1e-2 if n == "o" else 3e-2)]
@@ -144,7 +144,7 @@ def measure(op, inputs, r, naive):
     leaves = [x.detach().requires_grad_() for x in inputs]
 
     def ncd_step(module):
-        o, _ = module.chunk(*leaves, num_iter=r)
+        o, _ = module.chunk(*leaves[:5], alpha=leaves[5], num_iter=r)
         torch.autograd.grad(o, leaves, do)
 
     def chunked_step():
@@ -155,14 +155,15 @@ def measure(op, inputs, r, naive):
         torch.autograd.grad(o, leaves, do)
 
     module = op.module  # the default: by input dtype (bf16: scaled fp16 products in the solve)
-    cell["fwd"] = ms(lambda: module.chunk(*inputs, num_iter=r))
-    cell["fwd_kernels"] = sum(us for us, _ in kernel_times(lambda: module.chunk(*inputs, num_iter=r)).values()) / 1e3
+    cell["fwd"] = ms(lambda: module.chunk(*inputs[:5], alpha=inputs[5], num_iter=r))
+    forward = kernel_times(lambda: module.chunk(*inputs[:5], alpha=inputs[5], num_iter=r))
+    cell["fwd_kernels"] = sum(us for us, _ in forward.values()) / 1e3
     cell["fb"] = ms(lambda: ncd_step(module))  # the default backward: fp16x3 products (split operands)
     tf32_backward = configured(op, grad_precision="tf32")
     cell["fb_tf32"] = ms(lambda: ncd_step(tf32_backward))
     for prec in ("tf32", "bf16"):
         variant = configured(op, dot_precision=prec)
-        cell[f"fwd_{prec}"] = ms(lambda: variant.chunk(*inputs, num_iter=r))  # noqa: B023 (called at once)
+        cell[f"fwd_{prec}"] = ms(lambda: variant.chunk(*inputs[:5], alpha=inputs[5], num_iter=r))  # noqa: B023 (called at once)
     cell["chunked_fwd"] = ms(lambda: chunked_gka(*inputs, num_iter=r), rep=20)
     cell["chunked_fb"] = ms(chunked_step, rep=20)
     if naive:
@@ -213,10 +214,10 @@ def _profile(module, ts, rs, backward=True):
         except ImportError:
             pass
         for r in rs:
-            steps.append((f"r {r} fwd", lambda r=r: module.chunk(*inputs, num_iter=r)))  # noqa: B023
+            steps.append((f"r {r} fwd", lambda r=r: module.chunk(*inputs[:5], alpha=inputs[5], num_iter=r)))  # noqa: B023
             if backward:
                 steps.append((f"r {r} fwd+bwd", lambda r=r: torch.autograd.grad(
-                    module.chunk(*leaves, num_iter=r)[0], leaves, do)))  # noqa: B023
+                    module.chunk(*leaves[:5], alpha=leaves[5], num_iter=r)[0], leaves, do)))  # noqa: B023
         for label, step in steps:
             times = kernel_times(step)
             log(f"T {t} {label}:")

@@ -93,7 +93,7 @@ class GatedKalmaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         beta = torch.sigmoid(self.b_proj(x).float()) if self.b_proj is not None else None
         alpha = torch.sigmoid(self.alpha_proj(x).float()) if self.alpha_proj is not None else None
-        o, state = chunk_gka(q, k, v, g, beta, alpha, scale=self.head_dim ** -0.5, ridge=self.ridge,
+        o, state = chunk_gka(q, k, v, g, beta, scale=self.head_dim ** -0.5, alpha=alpha, ridge=self.ridge,
                              num_iter=self.num_iter, initial_state=initial_state,
                              output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                              chunk_size=self.chunk_size)

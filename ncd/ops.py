@@ -86,10 +86,12 @@ def shipped_spec(name: str) -> Path:
     return Path(str(resources.files("ncd.specs").joinpath(f"{name}.ncd")))
 
 
-def chunk_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, alpha: Any = None, scale: Any = None,
-              ridge: float = 0.02, num_iter: int = 30, initial_state: Any = None, output_final_state: bool = False,
-              cu_seqlens: Any = None, chunk_size: int = 64, config: Mapping[str, object] | None = None) -> Any:
-    """Gated KalmaNet core compiled from `specs/gka.ncd`, with fla's conventions: q, k [B, T, H, K],
+def chunk_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any = None, initial_state: Any = None,
+              output_final_state: bool = False, cu_seqlens: Any = None, *, alpha: Any = None, ridge: float = 0.02,
+              num_iter: int = 30, chunk_size: int = 64, config: Mapping[str, object] | None = None) -> Any:
+    """Gated KalmaNet core compiled from `specs/gka.ncd`, with fla's conventions and positional order (q, k, v, g,
+    beta, scale, initial_state, output_final_state, cu_seqlens, as fla's chunk_gated_delta_rule; alpha and the
+    rest by keyword): q, k [B, T, H, K],
     v [B, T, H, V], g [B, T, H] natural-log gates (<= 0), beta / alpha [B, T, H] (None: no key/value scaling;
     alpha = 1), scale a number or a one-element tensor (with its gradient when it requires one; double backward
     raises), default K^-1/2; non-finite inputs give NaN outputs only where they reach (g = -inf is a reset);
@@ -106,5 +108,5 @@ def chunk_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, alpha: Any = Non
     key = (int(q.shape[-1]), int(v.shape[-1]), config_overrides(config))
     if key not in _GKA_OPS:
         _GKA_OPS[key] = load(shipped_spec("gka"), sizes={"kdim": key[0], "vdim": key[1]}, config=config)
-    return _GKA_OPS[key].module.chunk(q, k, v, g, beta, alpha, scale, ridge, num_iter, initial_state,
-                                      output_final_state, cu_seqlens, chunk_size)
+    return _GKA_OPS[key].module.chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                      alpha=alpha, ridge=ridge, num_iter=num_iter, chunk_size=chunk_size)

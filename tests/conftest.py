@@ -65,3 +65,11 @@ def _seeded_global_rng(request):
 @pytest.fixture(scope="session")
 def op_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("ncd_cache")
+
+
+def with_alpha(chunk, **fixed):
+    """A GKA `chunk` taking the drawn (q, k, v, g, beta, alpha) positionally: alpha goes by keyword, after fla's
+    positional (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)."""
+    def call(q, k, v, g, beta, alpha, **kwargs):
+        return chunk(q, k, v, g, beta, alpha=alpha, **fixed, **kwargs)
+    return call

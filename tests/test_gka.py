@@ -23,7 +23,7 @@ from ncd.families.recurrence import kernel as kernels
 from ncd.families.recurrence.reference import chunked_gka, naive_gka
 from ncd.ops import chunk_gka, shipped_spec
 
-from .conftest import ROOT, raise_float_errors
+from .conftest import ROOT, raise_float_errors, with_alpha
 
 K, V = 32, 24
 EXACT = {"dot_precision": "ieee"}  # IEEE fp32 products, as gka_op's, for tests going through ncd.ops (its config=)
@@ -82,7 +82,7 @@ def f64(ts):
 
 def test_forward_matches_the_naive_recurrence_and_is_close_to_the_exact_solve(gka_module):
     inputs = draw()
-    o, _ = gka_module.chunk(*inputs, chunk_size=16)
+    o, _ = gka_module.chunk(*inputs[:5], alpha=inputs[5], chunk_size=16)
     ref, _ = naive_gka(*f64(inputs))
     exact, _ = naive_gka(*f64(inputs), exact=True)
     assert rms_ratio(o, ref) <= 0.005
@@ -107,10 +107,10 @@ def test_inference_call_skips_the_saved_solution_and_gives_the_same_output(gka_m
     monkeypatch.setattr(gka_module, "forward", spy)
     inputs = draw()
     leaves = [t.clone().requires_grad_() for t in inputs]
-    with_grad, _ = gka_module.chunk(*leaves, chunk_size=16)
+    with_grad, _ = gka_module.chunk(*leaves[:5], alpha=leaves[5], chunk_size=16)
     with torch.no_grad():
-        in_no_grad, _ = gka_module.chunk(*leaves, chunk_size=16)
-    plain, _ = gka_module.chunk(*inputs, chunk_size=16)
+        in_no_grad, _ = gka_module.chunk(*leaves[:5], alpha=leaves[5], chunk_size=16)
+    plain, _ = gka_module.chunk(*inputs[:5], alpha=inputs[5], chunk_size=16)
     assert saved == [inputs[0].numel(), 0, 0]
     assert torch.equal(with_grad.detach(), in_no_grad) and torch.equal(in_no_grad, plain)
 
@@ -123,7 +123,7 @@ def test_torch_compile_sees_the_custom_ops_and_eager_calls_skip_them(gka_module,
     leaves = [t.clone().requires_grad_() for t in draw(T=37)]
 
     def run(*args):
-        o, (h, s) = gka_module.chunk(*args, chunk_size=16, output_final_state=True)
+        o, (h, s) = gka_module.chunk(*args[:5], alpha=args[5], chunk_size=16, output_final_state=True)
         return o, h, s
 
     def loss(outs):  # every output reaches the backward, the final states too
@@ -155,8 +155,8 @@ def test_all_gradients_and_states_match_autograd_through_the_naive_recurrence(gk
     s0 = torch.randn(B, H, K, V) * 0.1
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (*inputs, h0, s0)]
     with raise_float_errors():
-        o, (h_fin, s_fin) = gka_module.chunk(*leaves[:6], initial_state=(leaves[6], leaves[7]),
-                                              output_final_state=True, chunk_size=16)
+        o, (h_fin, s_fin) = gka_module.chunk(*leaves[:5], initial_state=(leaves[6], leaves[7]),
+                                              output_final_state=True, alpha=leaves[5], chunk_size=16)
         do, dh, ds = torch.randn_like(o), torch.randn_like(h_fin), torch.randn_like(s_fin)
         present = [t for t in leaves if t is not None]
         grads = torch.autograd.grad((o * do).sum() + (h_fin * dh).sum() + (s_fin * ds).sum(), present)
@@ -199,10 +199,10 @@ def test_default_fp16_products_have_ten_bit_accuracy(gka_op):
     dalpha."""
     fp16 = gka_op.with_config(dot_precision="fp16").module  # fp32 inputs default to fp32-class products
     inputs = draw(T=77)
-    o, grads = _forward_and_grads(partial(fp16.chunk, chunk_size=16), inputs)
+    o, grads = _forward_and_grads(with_alpha(fp16.chunk, chunk_size=16), inputs)
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
     exact = gka_op.with_config(dot_precision="ieee").module
-    o_exact, _ = _forward_and_grads(partial(exact.chunk, chunk_size=16), inputs)
+    o_exact, _ = _forward_and_grads(with_alpha(exact.chunk, chunk_size=16), inputs)
     errors = {name: rms_ratio(got, want) for name, got, want in
               zip(["o", "q", "k", "v", "g", "beta", "alpha"], (o, *grads), (ref, *ref_grads), strict=True)}
     print("GKA fp16 products vs float64:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
@@ -226,9 +226,9 @@ def test_backward_split_fp16_products_match_fp32_products(gka_op, dtype):
     split_op = gka_op.with_config(dot_precision="ieee", grad_precision="fp16x3")
     q, k, v, g, b, a = draw(T=77)
     inputs = [q.to(dtype), k.to(dtype), v.to(dtype), g, b, a]
-    _, split = _forward_and_grads(partial(split_op.module.chunk, chunk_size=16), inputs)
+    _, split = _forward_and_grads(with_alpha(split_op.module.chunk, chunk_size=16), inputs)
     exact_op = split_op.with_config(grad_precision="ieee")
-    _, exact = _forward_and_grads(partial(exact_op.module.chunk, chunk_size=16), inputs)
+    _, exact = _forward_and_grads(with_alpha(exact_op.module.chunk, chunk_size=16), inputs)
     errors = {name: rms_ratio(a, b) for name, a, b in
               zip(["q", "k", "v", "g", "beta", "alpha"], split, exact, strict=True)}
     print(f"GKA fp16x3 backward vs fp32 products, {dtype}:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
@@ -268,7 +268,7 @@ def test_fp16_products_scale_operands_into_range(gka_op):
     s0 = torch.randn(B, H, K, V) * 1e5
     inputs = (q, k * 30, v * 1e5, g, b, a)
     fp16 = gka_op.with_config(dot_precision="fp16").module
-    o, grads = _forward_and_grads(partial(fp16.chunk, chunk_size=16), inputs, (h0, s0))
+    o, grads = _forward_and_grads(with_alpha(fp16.chunk, chunk_size=16), inputs, (h0, s0))
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs), (h0.double(), s0.double()))
     bound = _tolerances("float16")
     assert rms_ratio(o, ref) <= bound["o"]
@@ -289,11 +289,11 @@ def test_fp16_chunk_states_read_back_across_tiles_of_different_scales(gka_op):
     h0 = h0 @ h0.transpose(-1, -2) / K
     s0 = torch.randn(1, 2, K, V) * rows[:, None]
     ref, _ = naive_gka(*f64((q, k, v, g, b, a)), initial_state=(h0.double(), s0.double()))
-    one_tile, _ = fp16.module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
+    one_tile, _ = fp16.module.chunk(q, k, v, g, b, initial_state=(h0, s0), alpha=a, chunk_size=16)
     tiles = fp16.with_config(scan_tiles_fwd=(16, 16, 4))
-    tiled, _ = tiles.module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)
+    tiled, _ = tiles.module.chunk(q, k, v, g, b, initial_state=(h0, s0), alpha=a, chunk_size=16)
     blocks = tiles.with_config(output_bv=16)  # the solve's output over two blocks of value columns
-    split = blocks.module.chunk(q, k, v, g, b, a, initial_state=(h0, s0), chunk_size=16)[0]
+    split = blocks.module.chunk(q, k, v, g, b, initial_state=(h0, s0), alpha=a, chunk_size=16)[0]
     bound = _tolerances("float16")["o"]
     assert rms_ratio(one_tile, ref) <= bound
     assert rms_ratio(tiled, ref) <= bound
@@ -304,8 +304,8 @@ def test_output_value_column_blocks_agree_with_one_block(gka_op, gka_module):
     """The solve's output walks the value columns in blocks of OUTPUT_BV inside one program per chunk (V = 24: one
     block of 32, or two of 16 whose second is partly masked); with IEEE products the two agree to rounding."""
     inputs = draw(B=1, H=2, T=45)
-    one_block, _ = gka_module.chunk(*inputs, chunk_size=16)
-    two_blocks, _ = gka_op.with_config(output_bv=16).module.chunk(*inputs, chunk_size=16)
+    one_block, _ = gka_module.chunk(*inputs[:5], alpha=inputs[5], chunk_size=16)
+    two_blocks, _ = gka_op.with_config(output_bv=16).module.chunk(*inputs[:5], alpha=inputs[5], chunk_size=16)
     assert rms_ratio(two_blocks, one_block) <= 1e-6
 
 
@@ -318,16 +318,16 @@ def test_bf16_inputs_scan_with_bf16_products_within_the_bf16_limits(gka_op, monk
     inputs = [t.bfloat16() for t in (q, k, v)] + [g, b.bfloat16(), a.bfloat16()]
     assert kernels.scan_precision(by_dtype.CONFIG, torch.bfloat16) == "bf16"
     assert kernels.scan_precision(by_dtype.CONFIG, torch.float32) == "ieee"  # fp32 inputs: fp32 products
-    o, grads = _forward_and_grads(partial(by_dtype.chunk, chunk_size=16), inputs)
+    o, grads = _forward_and_grads(with_alpha(by_dtype.chunk, chunk_size=16), inputs)
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
     bound = _tolerances("bfloat16")
     assert o.dtype == torch.bfloat16
     assert rms_ratio(o, ref) <= bound["o"]
     for name, got, want in zip(["q", "k", "v", "g", "beta", "alpha"], grads, ref_grads, strict=True):
         assert rms_ratio(got, want) <= bound["grad"], name
-    _, (h_bf16, s_bf16) = by_dtype.chunk(*inputs, output_final_state=True, chunk_size=16)
+    _, (h_bf16, s_bf16) = by_dtype.chunk(*inputs[:5], output_final_state=True, alpha=inputs[5], chunk_size=16)
     monkeypatch.setattr(kernels, "scan_precision", lambda config, dtype: "tf32")
-    _, (h_tf32, s_tf32) = by_dtype.chunk(*inputs, output_final_state=True, chunk_size=16)
+    _, (h_tf32, s_tf32) = by_dtype.chunk(*inputs[:5], output_final_state=True, alpha=inputs[5], chunk_size=16)
     _, (h_ref, s_ref) = naive_gka(*f64(inputs))
     for got, other, want in ((h_bf16, h_tf32, h_ref), (s_bf16, s_tf32, s_ref)):
         print(f"final state vs float64: bf16 scan {rms_ratio(got, want):.1e}, TF32 {rms_ratio(other, want):.1e}")
@@ -340,12 +340,13 @@ def test_packed_sequences_equal_separate_runs(gka_module):
     q, k, v, g, b, a = draw(B=1, T=sum(lengths))
     cu = torch.tensor([0, 37, 53, 103], dtype=torch.int32)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g, b, a)]
-    o, (h_fin, _) = gka_module.chunk(*leaves, cu_seqlens=cu, output_final_state=True, chunk_size=16)
+    o, (h_fin, _) = gka_module.chunk(*leaves[:5], cu_seqlens=cu, output_final_state=True, alpha=leaves[5],
+                                     chunk_size=16)
     do = torch.randn_like(o)
     grads = torch.autograd.grad((o * do).sum(), leaves)
     for n, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
         part = [t[:, lo:hi].clone().requires_grad_() for t in (q, k, v, g, b, a)]
-        o_n, (h_n, _) = gka_module.chunk(*part, output_final_state=True, chunk_size=16)
+        o_n, (h_n, _) = gka_module.chunk(*part[:5], output_final_state=True, alpha=part[5], chunk_size=16)
         grads_n = torch.autograd.grad((o_n * do[:, lo:hi]).sum(), part)
         assert rms_ratio(o[:, lo:hi], o_n) < 1e-6
         assert rms_ratio(h_fin[n], h_n[0]) < 1e-6
@@ -367,21 +368,21 @@ def test_packed_layout_is_read_from_the_device_once_per_step(gka_module, monkeyp
     cu = torch.tensor([0, 25, 60], dtype=torch.int32)
     monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g, b, a)]
-    o, _ = gka_module.chunk(*leaves, cu_seqlens=cu, chunk_size=16)
+    o, _ = gka_module.chunk(*leaves[:5], cu_seqlens=cu, alpha=leaves[5], chunk_size=16)
     o.sum().backward()
     assert reads == [3]
     cu[1] = 40  # same tensor, new layout: read again, and the result follows the new boundaries
-    o2, _ = gka_module.chunk(*(t.detach() for t in leaves), cu_seqlens=cu, chunk_size=16)
+    o2, _ = gka_module.chunk(*(t.detach() for t in leaves[:5]), cu_seqlens=cu, alpha=leaves[5].detach(), chunk_size=16)
     assert reads == [3, 3]
     monkeypatch.undo()
-    first, _ = gka_module.chunk(q[:, :40], k[:, :40], v[:, :40], g[:, :40], b[:, :40], a[:, :40], chunk_size=16)
+    first, _ = gka_module.chunk(q[:, :40], k[:, :40], v[:, :40], g[:, :40], b[:, :40], alpha=a[:, :40], chunk_size=16)
     assert rms_ratio(o2[:, :40], first) < 1e-6
 
 def test_chunked_torch_reference_and_public_op_agree_with_the_naive_recurrence():
     inputs = draw(T=45)
     ref, _ = naive_gka(*f64(inputs))
     assert rms_ratio(chunked_gka(*inputs, chunk=16), ref) < 1e-4
-    o, state = chunk_gka(*inputs, num_iter=10, chunk_size=32, config=EXACT)
+    o, state = chunk_gka(*inputs[:5], alpha=inputs[5], num_iter=10, chunk_size=32, config=EXACT)
     ref10, _ = naive_gka(*f64(inputs), num_iter=10)
     assert state is None and rms_ratio(o, ref10) < 1e-4
 
@@ -411,19 +412,19 @@ def test_layer_runs_forward_and_backward_and_uses_the_compiled_core(monkeypatch)
 def test_call_time_errors_name_the_tensor_and_axis(gka_module):
     q, k, v, g, b, a = draw(T=20)
     with pytest.raises(CallError, match="v: axis 'time' has size 19"):
-        gka_module.chunk(q, k, v[:, :19], g, b, a)
+        gka_module.chunk(q, k, v[:, :19], g, b, alpha=a)
     with pytest.raises(CallError, match="k: axis 'kdim' has size 31, but the spec fixes it at 32"):
-        gka_module.chunk(q, k[..., :31], v, g, b, a)
+        gka_module.chunk(q, k[..., :31], v, g, b, alpha=a)
     with pytest.raises(CallError, match="batch 1"):
-        gka_module.chunk(q, k, v, g, b, a, cu_seqlens=torch.tensor([0, 20], dtype=torch.int32))
+        gka_module.chunk(q, k, v, g, b, cu_seqlens=torch.tensor([0, 20], dtype=torch.int32), alpha=a)
     with pytest.raises(CallError, match="cu_seqlens must rise from 0 to 20"):
-        gka_module.chunk(*(t[:1] for t in (q, k, v, g, b, a)), cu_seqlens=torch.tensor([0, 7, 5, 20]))
+        gka_module.chunk(*(t[:1] for t in (q, k, v, g, b)), cu_seqlens=torch.tensor([0, 7, 5, 20]), alpha=a[:1])
     with pytest.raises(CallError, match="cu_seqlens must rise from 0 to 20"):  # rejected before any chunking
-        gka_module.chunk(*(t[:1] for t in (q, k, v, g, b, a)), cu_seqlens=torch.tensor([0, 10**12]))
+        gka_module.chunk(*(t[:1] for t in (q, k, v, g, b)), cu_seqlens=torch.tensor([0, 10**12]), alpha=a[:1])
     with pytest.raises(CallError, match="dtype"):
-        gka_module.chunk(q, k.to(torch.float16), v, g, b, a)
+        gka_module.chunk(q, k.to(torch.float16), v, g, b, alpha=a)
     with pytest.raises(CallError, match=r"initial_state\[0\] must have shape"):
-        gka_module.chunk(q, k, v, g, b, a, initial_state=(torch.zeros(2, 2, K, V), torch.zeros(2, 2, K, V)))
+        gka_module.chunk(q, k, v, g, b, initial_state=(torch.zeros(2, 2, K, V), torch.zeros(2, 2, K, V)), alpha=a)
 
 
 BASE = (ROOT / "specs" / "gka.ncd").read_text()
@@ -512,7 +513,7 @@ def test_every_launch_passes_only_arguments_its_kernel_takes(gka_op, monkeypatch
     q, k, v, g, b, a = draw(B=1, H=2, T=20)
     h0 = torch.randn(1, 2, K, K)
     state = (h0 @ h0.transpose(-1, -2) / K, torch.randn(1, 2, K, V))
-    _forward_and_grads(partial(by_dtype.chunk, chunk_size=16, output_final_state=True), (q, k, v, g, b, a), state)
+    _forward_and_grads(with_alpha(by_dtype.chunk, chunk_size=16, output_final_state=True), (q, k, v, g, b, a), state)
     assert launched == set(launchable)
     assert set(fitted) == launched and len(fitted) == 11  # 3 forward launches, 8 backward (its own state scan too)
 

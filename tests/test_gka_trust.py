@@ -22,7 +22,7 @@ from ncd.families.recurrence.reference import naive_gka
 from ncd.ops import chunk_gka, shipped_spec
 from ncd.reference import evaluate
 
-from .conftest import ROOT
+from .conftest import ROOT, with_alpha
 
 K, V = 16, 8
 BASE = (ROOT / "specs" / "gka.ncd").read_text()
@@ -136,9 +136,9 @@ def test_a_beta_or_scale_the_spec_lacks_is_refused_not_ignored(tmp_path):
                       .replace("-3 * (scale * (U . qa over kdim))", "U . qa over kdim"))
     q, k, v, g, b, a = draw(B=1, T=5)
     with pytest.raises(CallError, match="no beta input"):
-        op.module.chunk(q, k, v, g, b, a)
+        op.module.chunk(q, k, v, g, b, alpha=a)
     with pytest.raises(CallError, match="no scale input"):
-        op.module.chunk(q, k, v, g, None, a, scale=0.5)
+        op.module.chunk(q, k, v, g, None, 0.5, alpha=a)
 
 
 def _numbers(text):
@@ -157,7 +157,7 @@ def test_every_constant_of_the_shipped_spec_changes_the_output_or_is_rejected(tm
     spec is rejected with a located error. (A recogniser that matched a pattern and dropped a constant would leave
     it unchanged.)"""
     q, k, v, g, b, a = draw(B=1, T=7, H=1)
-    reference = load_variant(tmp_path, BASE, "gka_base").module.chunk(q, k, v, g, b, a, chunk_size=16)[0]
+    reference = load_variant(tmp_path, BASE, "gka_base").module.chunk(q, k, v, g, b, alpha=a, chunk_size=16)[0]
     spans = _numbers(BASE)
     assert len(spans) >= 8
     outcomes = {}
@@ -179,7 +179,7 @@ def test_every_constant_of_the_shipped_spec_changes_the_output_or_is_rejected(tm
             assert f"recurrence: gka_perturbed_{i}.ncd:" in str(fell_back[0].message)
             out = op(q, k, v, g, b, a)
         else:
-            out = op.module.chunk(q, k, v, g, b, a, chunk_size=16)[0]
+            out = op.module.chunk(q, k, v, g, b, alpha=a, chunk_size=16)[0]
         moved = float((out - reference).norm() / reference.norm())
         outcomes[f"{literal} (#{i})"] = f"{moved:.1e}"
         assert not moved <= 1e-7, (literal, changed)  # NaN moved too (e.g. sqrt of a sum of cubes, as written)
@@ -232,9 +232,9 @@ def test_inputs_without_a_default_are_required(gka):
     with pytest.raises(CallError, match="alpha is required"):
         gka.Module()(q, k, v, g, b, None)
     with pytest.raises(CallError, match="q must be a tensor"):
-        gka.chunk(None, k, v, g, b, a)
+        gka.chunk(None, k, v, g, b, alpha=a)
     with pytest.raises(CallError, match="g must be a tensor"):
-        gka.chunk(q, k, v, None, b, a)
+        gka.chunk(q, k, v, None, b, alpha=a)
     with pytest.raises(CallError, match="q must be a 4-d tensor"):
         chunk_gka(None, k, v, g)
     from ncd.layers import GatedKalmaNet
@@ -252,7 +252,7 @@ def test_tensor_scale_gets_its_gradient(gka_op):
     inputs = draw(B=1, T=19)
     scale = torch.tensor(0.37)
     do = torch.randn(1, 19, 2, V, generator=torch.Generator().manual_seed(2))
-    o, grads = grads_of(lambda *t: gka.chunk(*t[:6], scale=t[6], chunk_size=16)[0], inputs, do, (scale,))
+    o, grads = grads_of(lambda *t: gka.chunk(*t[:5], t[6], alpha=t[5], chunk_size=16)[0], inputs, do, (scale,))
     ref, ref_grads = grads_of(lambda *t: naive_gka(*t[:6], scale=t[6])[0], [t.double() for t in inputs],
                               do.double(), (scale.double(),))
     assert max_token_error(o, ref) < 1e-3
@@ -260,7 +260,7 @@ def test_tensor_scale_gets_its_gradient(gka_op):
     for got, want in zip(grads[:-1], ref_grads[:-1], strict=True):
         assert float((got - want).norm() / want.norm()) < 2e-2
     with pytest.raises(CallError, match="one-element tensor"):
-        gka.chunk(*inputs, scale=torch.ones(2))
+        gka.chunk(*inputs[:5], torch.ones(2), alpha=inputs[5])
     # a NaN key in head 0 from token 3 on: dscale is NaN once a NaN output gets a gradient, else the clean one
     dirty = [t.clone() for t in inputs]
     dirty[1][0, 3, 0, 0] = float("nan")
@@ -268,7 +268,7 @@ def test_tensor_scale_gets_its_gradient(gka_op):
     masked[0, 3:, 0] = 0.0
 
     def dscale(inputs, do):
-        return grads_of(lambda *t: gka.chunk(*t[:6], scale=t[6], chunk_size=16)[0], inputs, do, (scale,))[1][-1]
+        return grads_of(lambda *t: gka.chunk(*t[:5], t[6], alpha=t[5], chunk_size=16)[0], inputs, do, (scale,))[1][-1]
 
     assert torch.isnan(dscale(dirty, do))
     torch.testing.assert_close(dscale(dirty, masked), dscale(inputs, masked))
@@ -276,7 +276,7 @@ def test_tensor_scale_gets_its_gradient(gka_op):
 
 def test_double_backward_raises(gka):
     leaves = [t.requires_grad_() for t in draw(B=1, T=5)]
-    o, _ = gka.chunk(*leaves, chunk_size=16)
+    o, _ = gka.chunk(*leaves[:5], alpha=leaves[5], chunk_size=16)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(o.sum(), leaves[0], create_graph=True)
 
@@ -304,7 +304,7 @@ def test_a_nan_stays_at_and_after_its_token(gka_op):
     do[broken] = 0.0
 
     def run(*x):
-        o, state = gka.chunk(*x, chunk_size=16, output_final_state=True)
+        o, state = gka.chunk(*x[:5], alpha=x[5], chunk_size=16, output_final_state=True)
         run.state = state
         return o
 
@@ -358,14 +358,14 @@ def test_a_minus_infinite_gate_is_a_full_reset(gka_op):
     inputs[3][0, [0, 7, 15, 16], :] = float("-inf")
     inputs[3][0, 30, 1] = float("-inf")
     do = torch.randn(1, 37, 2, V, generator=torch.Generator().manual_seed(5))
-    o, grads = grads_of(lambda *x: gka.chunk(*x, chunk_size=16)[0], inputs, do)
+    o, grads = grads_of(lambda *x: gka.chunk(*x[:5], alpha=x[5], chunk_size=16)[0], inputs, do)
     ref, ref_grads = grads_of(lambda *x: naive_gka(*x)[0], [t.double() for t in inputs], do.double())
     assert max_token_error(o, ref) < 1e-3
     for name, got, want in zip(["q", "k", "v", "g", "beta", "alpha"], grads, ref_grads, strict=True):
         assert torch.isfinite(got).all(), name
         assert float((got - want).norm() / want.norm()) < 2e-2, name
     assert (grads[3][0, [7, 15, 16]] == 0).all()
-    _, (h, s) = gka.chunk(*inputs, chunk_size=16, output_final_state=True)
+    _, (h, s) = gka.chunk(*inputs[:5], alpha=inputs[5], chunk_size=16, output_final_state=True)
     _, (h_ref, s_ref) = naive_gka(*[t.double() for t in inputs])
     for got, want in ((h, h_ref), (s, s_ref)):
         assert float((got.double() - want).norm() / want.norm()) < 1e-5
@@ -383,7 +383,7 @@ def test_fp32_inputs_get_fp32_class_products_by_default_per_token(gka_op):
     assert kernels.solve_precision(gka.CONFIG, torch.float32) == "ieee"
     inputs = draw(B=1, T=21)
     do = torch.randn(1, 21, 2, V, generator=torch.Generator().manual_seed(6))
-    core = partial(gka.chunk, chunk_size=16)
+    core = with_alpha(gka.chunk, chunk_size=16)
     o, grads = grads_of(lambda *x: core(*x)[0], inputs, do)
     # the spec's own float64 evaluation: its solve differentiated implicitly, as the kernels do
     ref, ref_grads = grads_of(partial(spec_reference, gka), [t.double() for t in inputs], do.double())
@@ -392,5 +392,28 @@ def test_fp32_inputs_get_fp32_class_products_by_default_per_token(gka_op):
     print("GKA fp32 default products vs float64, worst token:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
     assert errors.pop("o") < 1e-3
     assert max(errors.values()) < 1e-3
-    o16, _ = partial(default.with_config(dot_precision="fp16").module.chunk, chunk_size=16)(*inputs)
+    o16, _ = with_alpha(default.with_config(dot_precision="fp16").module.chunk, chunk_size=16)(*inputs)
     assert max_token_error(o16, ref) > 1e-3  # the override still selects the fp16 products
+
+
+FLA_POSITIONAL = ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens"]
+
+
+def test_the_chunked_functions_take_fla_positional_order(gka):
+    """`ncd.ops.chunk_gka` and the module's `chunk` take fla's chunk_gated_delta_rule order positionally (q, k, v,
+    g, beta, scale, initial_state, output_final_state, cu_seqlens); alpha and the op's knobs by keyword only. A
+    positional call equals a keyword one, and an alpha passed where fla puts the scale is refused by name."""
+    import inspect
+
+    for fn in (chunk_gka, gka.chunk):
+        params = list(inspect.signature(fn).parameters.values())
+        assert [p.name for p in params[:9]] == FLA_POSITIONAL
+        assert all(p.kind is p.KEYWORD_ONLY for p in params[9:]) and "alpha" in [p.name for p in params[9:]]
+    q, k, v, g, b, a = draw(B=1, T=19)
+    state = (torch.zeros(1, 2, K, K), torch.randn(1, 2, K, V, generator=torch.Generator().manual_seed(8)))
+    o, (h, s) = gka.chunk(q, k, v, g, b, 0.3, state, True, None, alpha=a, chunk_size=16)
+    o2, (h2, s2) = gka.chunk(q=q, k=k, v=v, g=g, beta=b, scale=0.3, initial_state=state, output_final_state=True,
+                             alpha=a, chunk_size=16)
+    assert torch.isfinite(o).all() and torch.equal(o, o2) and torch.equal(h, h2) and torch.equal(s, s2)
+    with pytest.raises(CallError, match="scale must be a number or a one-element tensor"):
+        gka.chunk(q, k, v, g, b, a)

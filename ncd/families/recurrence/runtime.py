@@ -150,10 +150,12 @@ class GKAOp:
             raise CallError(None, detail=f"{self.spec_name}: the spec has no scale input, so scale must be None; it "
                             "would be ignored")
 
-    def chunk(self, q: Any, k: Any, v: Any, g: Any, beta: Any = None, alpha: Any = None, scale: Any = None,
-              ridge: float | None = None, num_iter: int | None = None, initial_state: Any = None,
-              output_final_state: bool = False, cu_seqlens: Any = None, chunk_size: int | None = None) -> tuple:
-        """The chunked op with fla's conventions. q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] natural-log gates
+    def chunk(self, q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any = None, initial_state: Any = None,
+              output_final_state: bool = False, cu_seqlens: Any = None, *, alpha: Any = None,
+              ridge: float | None = None, num_iter: int | None = None, chunk_size: int | None = None) -> tuple:
+        """The chunked op with fla's conventions, in the positional order of fla's chunk_gated_delta_rule (q, k,
+        v, g, beta, scale, initial_state, output_final_state, cu_seqlens); alpha and the rest by keyword only.
+        q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] natural-log gates
         (<= 0; -inf is a full reset), beta / alpha [B, T, H] or None (no key/value scaling; alpha = 1; either must
         be None where the spec has no such input). scale: a number or a one-element tensor (its gradient is
         computed when it requires one). initial_state: (H [N, H, K, K], S [N, H, K, V]) fp32 or None. Returns
