@@ -409,6 +409,28 @@ def test_layer_runs_forward_and_backward_and_uses_the_compiled_core(monkeypatch)
     assert rms_ratio(y, layer(x)) < 1e-4
 
 
+def test_the_layer_survives_pickle_deepcopy_and_torch_save(tmp_path):
+    """A GatedKalmaNet layer pickled, deep-copied and saved with torch.save (whole module, not a state dict) comes
+    back with its parameters and computes the same output: no compiled op or kernel handle is captured in it."""
+    import copy
+    import pickle
+
+    from ncd import layers
+
+    torch.manual_seed(1)
+    layer = layers.GatedKalmaNet(hidden_size=2 * K, num_heads=2, num_iter=5, chunk_size=16)
+    x = torch.randn(1, 21, 2 * K)
+    want = layer(x)
+    torch.save(layer, tmp_path / "layer.pt")
+    copies = [pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer),
+              torch.load(tmp_path / "layer.pt", weights_only=False)]
+    for other in copies:
+        assert other is not layer and other.num_iter == 5 and other.chunk_size == 16
+        assert all(torch.equal(a, b) for a, b in zip(layer.state_dict().values(), other.state_dict().values(),
+                                                    strict=True))
+        assert torch.isfinite(want).all() and torch.equal(other(x), want)
+
+
 def test_call_time_errors_name_the_tensor_and_axis(gka_module):
     q, k, v, g, b, a = draw(T=20)
     with pytest.raises(CallError, match="v: axis 'time' has size 19"):

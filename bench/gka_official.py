@@ -1,0 +1,150 @@
+"""The official Gated KalmaNet code's own paths against ncd and a float64 per-token recurrence of the paper's
+equations (issue 33, item 4): which one follows the paper, on the same inputs.
+
+The official code (awslabs/hybrid-model-factory, its `training/src`) and fla's source are read from checkouts
+outside this repository, never copied into it:
+
+    python3 bench/gka_official.py --hmf /tmp/hmf/training/src --fla /tmp/fla_full [--t 48] [--phase both]
+
+Phases:
+- `official` runs the official one-step decoding path (`torch_decoding_one_step`: its Chebyshev decode kernel,
+  then fla's `fused_recurrent_simple_gla`) token by token, and its chunked forward (`gka_chebyshev_gla`), and
+  saves the outputs. The official kernels use block pointers, which Triton 3.9's interpreter removed: on a CPU run
+  this phase needs Triton 3.6 on PYTHONPATH (e.g. `pip install --target /tmp/t36 triton==3.6.0`).
+- `compare` computes ncd's chunked op and the float64 recurrence (`ncd.families.recurrence.reference.naive_gka`)
+  and prints the relative RMS and worst-token errors of each output against the recurrence.
+- `both`: the two in one process (a GPU with Triton 3.6, or an interpreter where both run).
+
+On the CPU, fla's `fused_recurrent_simple_gla` kernel fails in Triton 3.6's interpreter (a loop bound read as an
+array). `--torch-gla-step` then replaces it with its one-token math in fp32 torch (h <- exp(g) h + k^T v,
+o = scale q h: fla's common/fused_recurrent.py). The official Chebyshev decode kernel still runs as written.
+fla's package `__init__`s are bypassed: they import every op, some of which do not import under a CPU Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import types
+from pathlib import Path
+
+
+def _import_official(hmf: str, fla: str, torch_gla_step: bool):
+    sys.path[:0] = [hmf, fla]
+    for name, path in (("fla", f"{fla}/fla"), ("fla.ops", f"{fla}/fla/ops")):
+        module = types.ModuleType(name)  # the package without its __init__
+        module.__path__ = [path]
+        module.__version__ = "checkout"  # type: ignore[attr-defined]
+        sys.modules[name] = module
+    import triton.runtime.autotuner as autotuner
+
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter cannot benchmark configs: keep the first
+        init = autotuner.Autotuner.__init__
+
+        def first_config(self, fn, arg_names, configs, *args, **kwargs):
+            init(self, fn, arg_names, configs[:1], *args, **kwargs)
+
+        autotuner.Autotuner.__init__ = first_config  # type: ignore[method-assign]
+    from hmf.model.hybrid_zoo.layers.gated_kalmanet.ops.chebyshev import gka_chebyshev_solve as official
+
+    if torch_gla_step:
+        official.fused_recurrent_simple_gla = _gla_step
+    return official
+
+
+def _gla_step(q, k, v, scale, g, initial_state, output_final_state):
+    """One token of fla's fused_recurrent_simple_gla in fp32 torch: state [B, H, K, V]."""
+    import torch
+
+    decay = g[:, 0, :, None, None].float().exp()
+    h = initial_state.float() * decay + k[:, 0, :, :, None].float() * v[:, 0, :, None, :].float()
+    o = scale * torch.einsum("bhk,bhkv->bhv", q[:, 0].float(), h)[:, None]
+    return o.to(v.dtype), h
+
+
+def inputs(T: int, H: int, D: int, device: str):
+    """The bench's distribution (bench/gka.py `draw`): unit q, k; g = logsigmoid(randn + 3); beta, alpha sigmoids."""
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    q = F.normalize(torch.randn(1, T, H, D, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(1, T, H, D, generator=gen), dim=-1)
+    v = torch.randn(1, T, H, D, generator=gen)
+    g = F.logsigmoid(torch.randn(1, T, H, generator=gen) + 3.0)
+    beta = torch.sigmoid(torch.randn(1, T, H, generator=gen))
+    alpha = torch.sigmoid(torch.randn(1, T, H, generator=gen))
+    return [t.to(device) for t in (q, k, v, g, beta, alpha)]
+
+
+def run_official(official, x, scale: float, ridge: float, r: int, chunk: int) -> dict:
+    """The official layer's core on `x`: it scales k and v by (beta + 1e-6) before the core (GKA/gka.py)."""
+    import torch
+
+    q, k, v, g, beta, alpha = x
+    kb, vb = k * (beta[..., None] + 1e-6), v * (beta[..., None] + 1e-6)
+    B, T, H, D = q.shape
+    h_kk = torch.zeros(B, H, D, D, device=q.device)
+    h_kv = torch.zeros(B, H, D, D, device=q.device)
+    steps = []
+    for t in range(T):
+        one = [y[:, t:t + 1].contiguous() for y in (q, kb, vb, alpha, g)]
+        o, h_kk, h_kv = official.torch_decoding_one_step(*one, one[-1], scale, ridge, "chebyshev", r, h_kk, h_kv)
+        steps.append(o)
+    out = {"decode": torch.cat(steps, 1).cpu()}
+    try:
+        out["chunked"] = official.gka_chebyshev_gla(q, kb, vb, alpha, g, g, scale, ridge, "chebyshev", r, True,
+                                                    chunk)[0].cpu()
+    except Exception as err:  # fla's chunk kernels in an interpreter that cannot run them: say so, go on
+        print(f"official chunked forward did not run here: {type(err).__name__}: {str(err)[:200]}")
+    return out
+
+
+def compare(outputs: dict, x, scale: float, ridge: float, r: int, chunk: int) -> None:
+    from ncd.families.recurrence.reference import naive_gka
+    from ncd.ops import chunk_gka
+
+    q, k, v, g, beta, alpha = x
+    ref, _ = naive_gka(*(t.double().cpu() for t in x), scale=scale, ridge=ridge, num_iter=r)
+    ours, _ = chunk_gka(q, k, v, g, beta, scale, alpha=alpha, ridge=ridge, num_iter=r, chunk_size=chunk,
+                        config={"dot_precision": "ieee"})
+    rows = {**{f"official {name}": o for name, o in outputs.items()}, "ncd chunked (ieee products)": ours.cpu()}
+    print(f"T {q.shape[1]}, H {q.shape[2]}, D {q.shape[3]}, fp32 inputs, {r} Chebyshev steps, ridge {ridge}; "
+          "error against the float64 per-token recurrence of the paper's equations:")
+    for name, o in rows.items():
+        diff = (o.double() - ref)
+        worst = float((diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max())
+        print(f"  {name:30s} rel RMS {float(diff.norm() / ref.norm()):.2e}   worst token {worst:.2e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hmf", required=True, help="the official repository's training/src")
+    parser.add_argument("--fla", required=True, help="an fla checkout (the directory holding fla/)")
+    parser.add_argument("--phase", choices=("official", "compare", "both"), default="both")
+    parser.add_argument("--t", type=int, default=48)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--chunk", type=int, default=16)
+    parser.add_argument("--store", default="/tmp/gka_official.pt")
+    parser.add_argument("--torch-gla-step", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = inputs(args.t, args.heads, args.dim, device)
+    scale, ridge, r = args.dim ** -0.5, 0.02, 30
+    if args.phase in ("official", "both"):
+        official = _import_official(args.hmf, args.fla, args.torch_gla_step)
+        start = time.time()
+        outputs = run_official(official, x, scale, ridge, r, args.chunk)
+        torch.save(outputs, args.store)
+        print(f"official paths: {sorted(outputs)} in {time.time() - start:.0f} s -> {args.store}")
+    if args.phase in ("compare", "both"):
+        compare(torch.load(Path(args.store)), x, scale, ridge, r, args.chunk)
+
+
+if __name__ == "__main__":
+    main()
