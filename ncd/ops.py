@@ -15,7 +15,8 @@ from .cache import CacheError, import_generated
 from .compiler import Compiled, ConfigError, ConfigOverrides, advance, compile_spec, config_overrides, with_config
 from .family import KernelPlan
 
-__all__ = ["CacheError", "ConfigError", "Op", "chunk_gka", "import_generated", "load", "shipped_spec"]
+__all__ = ["CacheError", "ConfigError", "Op", "chunk_gka", "import_generated", "load", "recurrent_gka",
+           "shipped_spec"]
 
 
 class Op:
@@ -99,14 +100,32 @@ def chunk_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any = Non
     (o [B, T, H, V], final_state or None). Any head sizes: the spec is compiled once per (K, V) with its fixed
     axes overridden. `config` overrides fields of the recurrence family's config (`Op.with_config`, e.g.
     `{"dot_precision": "ieee"}`): another op, compiled once per (K, V, config)."""
+    return _gka_op("chunk_gka", q, v, config).module.chunk(q, k, v, g, beta, scale, initial_state,
+                                                            output_final_state, cu_seqlens, alpha=alpha, ridge=ridge,
+                                                            num_iter=num_iter, chunk_size=chunk_size)
+
+
+def recurrent_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any = None, initial_state: Any = None,
+                  output_final_state: bool = True, *, alpha: Any = None, ridge: float = 0.02, num_iter: int = 30,
+                  config: Mapping[str, object] | None = None) -> Any:
+    """Gated KalmaNet decoding (fla's fused_recurrent convention): the recurrence token by token from a state,
+    for the few tokens of a decoding step after a prefill by `chunk_gka(..., output_final_state=True)`. Arguments
+    as `chunk_gka`'s (one state per batch entry: no cu_seqlens); returns (o, (H, S) after the last token, or
+    None). Inference only: an input that requires a gradient is refused."""
+    return _gka_op("recurrent_gka", q, v, config).module.recurrent(q, k, v, g, beta, scale, initial_state,
+                                                                   output_final_state, alpha=alpha, ridge=ridge,
+                                                                   num_iter=num_iter)
+
+
+def _gka_op(caller: str, q: Any, v: Any, config: Mapping[str, object] | None) -> Op:
+    """The shipped GKA spec compiled at q's and v's head sizes (once per sizes and config)."""
     from .errors import CallError
 
     for name, t in (("q", q), ("v", v)):
         if not hasattr(t, "shape") or len(t.shape) != 4:
-            raise CallError(None, detail=f"chunk_gka: {name} must be a 4-d tensor [batch time head dim], got "
+            raise CallError(None, detail=f"{caller}: {name} must be a 4-d tensor [batch time head dim], got "
                             f"{type(t).__name__} {list(getattr(t, 'shape', []))}")
     key = (int(q.shape[-1]), int(v.shape[-1]), config_overrides(config))
     if key not in _GKA_OPS:
         _GKA_OPS[key] = load(shipped_spec("gka"), sizes={"kdim": key[0], "vdim": key[1]}, config=config)
-    return _GKA_OPS[key].module.chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                      alpha=alpha, ridge=ridge, num_iter=num_iter, chunk_size=chunk_size)
+    return _GKA_OPS[key]

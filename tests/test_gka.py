@@ -588,3 +588,43 @@ def test_precision_settings_are_validated(monkeypatch):
     with pytest.raises(ValueError,
                        match="NCD_GKA_GRAD_PRECISION must be one of fp16x3, tf32x3, tf32, ieee, not 'fp16'"):
         Settings.from_env()
+
+
+@pytest.mark.parametrize("beta, alpha", [(True, True), (False, False)])
+def test_decoding_token_by_token_continues_a_chunked_prefill(gka_module, beta, alpha):
+    """`recurrent` (the decoding kernel, one program per sequence and head) from the state a chunked prefill ends
+    in gives the chunked op's outputs for the following tokens, one token per call and several per call, and the
+    chunked op's final states; from zero states over the whole sequence too."""
+    inputs = draw(B=2, T=45, beta=beta, alpha=alpha)
+    q, k, v, g, b, a = inputs
+    full, (h_full, s_full) = gka_module.chunk(q, k, v, g, b, alpha=a, output_final_state=True, chunk_size=16)
+    split = 37  # the prefill ends inside a chunk
+    _, state = gka_module.chunk(*(t[:, :split] if t is not None else None for t in (q, k, v, g, b)),
+                                alpha=a[:, :split] if a is not None else None, output_final_state=True,
+                                chunk_size=16)
+    steps = []
+    for t in range(split, 45):
+        one = [x[:, t:t + 1] if x is not None else None for x in inputs]
+        o, state = gka_module.recurrent(*one[:5], initial_state=state, alpha=one[5])
+        steps.append(o)
+    assert rms_ratio(torch.cat(steps, 1), full[:, split:]) < 1e-5
+    assert rms_ratio(state[0], h_full) < 1e-5 and rms_ratio(state[1], s_full) < 1e-5
+    whole, (h, s) = gka_module.recurrent(q, k, v, g, b, alpha=a)
+    assert torch.isfinite(whole).all() and rms_ratio(whole, full) < 1e-5
+    assert rms_ratio(h, h_full) < 1e-5 and rms_ratio(s, s_full) < 1e-5
+    ref, _ = naive_gka(*f64(inputs))
+    assert rms_ratio(whole, ref) < 1e-5
+    top, _ = ncd.ops.recurrent_gka(q, k, v, g, b, alpha=a, config=EXACT)  # the public function, any head size
+    assert rms_ratio(top, full) < 1e-5
+
+
+def test_decoding_refuses_inputs_that_require_a_gradient_and_bad_states(gka_module):
+    q, k, v, g, b, a = draw(B=1, T=3)
+    with pytest.raises(CallError, match="no backward"):
+        gka_module.recurrent(q.requires_grad_(), k, v, g, b, alpha=a)
+    with torch.no_grad():
+        o, state = gka_module.recurrent(q, k, v, g, b, alpha=a, output_final_state=False)
+    assert state is None and torch.isfinite(o).all()
+    with pytest.raises(CallError, match=r"initial_state\[1\] must have shape"):
+        gka_module.recurrent(q.detach(), k, v, g, b, alpha=a,
+                             initial_state=(torch.zeros(1, 2, K, K), torch.zeros(1, 2, K, V + 1)))

@@ -119,6 +119,8 @@ class RecurrencePlan:
             "backward 8 (state recompute; right-hand side; solve; ridge terms; both reverse scans; 3 gradient "
             "kernels), static in ncd/families/recurrence/kernel.py; the spec's scalings enter as constexpr device "
             "functions",
+            "decoding (`recurrent`): 1 launch, one program per (sequence, head), the recurrence token by token from "
+            "a state with the same scalings and Chebyshev steps (kernel_recurrent.py); no backward",
             *self.config.describe(),
         ]
 

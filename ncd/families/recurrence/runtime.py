@@ -51,15 +51,18 @@ def _opt(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class GKAOp:
-    """The chunked op: `chunk(...)` with fla's conventions, and `call_spec` for the function named after the spec."""
+    """The chunked op: `chunk(...)` with fla's conventions, `recurrent(...)` for decoding from a state, and
+    `call_spec` for the function named after the spec."""
 
     def __init__(self, spec_name: str, op_id: str, *, roles: Roles, axes: Mapping[str, tuple[int | None, tuple]],
                  forward: Callable[..., Any], backward: Callable[..., Any], chunk_table: Callable[..., Any],
-                 output_factor: float, scale_default: Callable[[dict[str, int]], float | None], ridge: float,
-                 num_iter: int, chunk_size: int) -> None:
+                 step: Callable[..., Any], output_factor: float,
+                 scale_default: Callable[[dict[str, int]], float | None], ridge: float, num_iter: int,
+                 chunk_size: int) -> None:
         self.spec_name, self.roles, self.axes = spec_name, roles, axes
         self.ridge, self.num_iter, self.chunk_size = ridge, num_iter, chunk_size  # the spec's and the plan's
         self._launch_forward, self._launch_backward, self._chunk_table = forward, backward, chunk_table
+        self._launch_step = step
         self.output_factor, self.scale_default = output_factor, scale_default
         self.op = KernelOp(f"ncd::{op_id}", spec_name, _ARGS, _RESULTS, differentiable=3, save_results=(3, 4, 1, 2),
                            forward=self._forward, fake=self._fake, backward=self._backward,
@@ -200,6 +203,36 @@ class GKAOp:
             return o, None
         nan_states = seq_poisoned[..., None, None]
         return o, (torch.where(nan_states, float("nan"), h_fin), torch.where(nan_states, float("nan"), s_fin))
+
+    def recurrent(self, q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any = None,
+                  initial_state: Any = None, output_final_state: bool = True, *, alpha: Any = None,
+                  ridge: float | None = None, num_iter: int | None = None) -> tuple:
+        """Decoding: the recurrence token by token from a state (fla's fused_recurrent convention), for a few
+        tokens per call (typically one) after a prefill by `chunk(..., output_final_state=True)`. Arguments as
+        `chunk`'s (no cu_seqlens: one state per batch entry); initial_state (H [B, H, K, K], S [B, H, K, V]) fp32 or
+        None (zero states). Returns (o [B, T, H, V], (H, S) after the last token, or None). Inference only: inputs
+        that require a gradient are refused (use `chunk` to train)."""
+        ridge = self.ridge if ridge is None else ridge
+        num_iter = self.num_iter if num_iter is None else num_iter
+        self._check_presence(q, k, v, g, beta, alpha, scale)
+        sizes = self._check(q, k, v, g, beta, alpha, initial_state, None, self.chunk_size)
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (q, k, v, g, beta, alpha, scale, *(initial_state or ()))):
+            raise CallError(None, detail=f"{self.spec_name}: recurrent() is for decoding and has no backward; an "
+                            "input requires a gradient (use chunk() to train, or call under torch.no_grad())")
+        if scale is None:
+            scale = self.scale_default(sizes)
+        if scale is None:
+            raise CallError(None, detail=f"{self.spec_name}: scale is required (the spec gives it no default)")
+        if isinstance(scale, torch.Tensor):
+            if scale.numel() != 1:
+                raise CallError(None, detail=f"{self.spec_name}: scale must be a number or a one-element tensor, got "
+                                f"shape {tuple(scale.shape)}")
+            scale = float(scale)
+        h_init, s_init = initial_state if initial_state is not None else (None, None)
+        o, h_fin, s_fin = self._launch_step(q, k, v, g, beta, alpha, h_init, s_init,
+                                            float(scale) * self.output_factor, ridge, num_iter)
+        return o, ((h_fin, s_fin) if output_final_state else None)
 
     def call_spec(self, required: Sequence[tuple[str, Any]], **inputs: Any) -> torch.Tensor:
         """The function named after the spec: its inputs by role; those without a default must be given."""

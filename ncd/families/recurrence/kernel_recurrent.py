@@ -1,0 +1,103 @@
+"""Token-by-token Gated KalmaNet for decoding: the recurrence itself, one program per (sequence, head), both states
+held in registers across the tokens of the call, no chunking. It computes what the chunked kernels (kernel.py)
+compute, with the same hooks (KEY_SCALE, VALUE_SCALE of beta) and the same Chebyshev iteration (`_chebyshev`'s
+step d_i, omega_0 = 2, step0 = 2 / (L + mu)), so prefill by `chunk` and decoding by `recurrent` agree to fp32
+rounding. Inference only: no backward.
+
+recurrent(config, hooks, q, k, v, g, beta, alpha, h_init, s_init, scale, ridge, num_iter) -> (o, h_fin, s_fin)
+q, k [B, T, H, K], v [B, T, H, V], g, beta, alpha [B, T, H] (T: a few tokens, typically one); states fp32
+(H [B, H, K, K], S [B, H, K, V], fla's layout), None for zero states.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ncd.launch import fast as _fast
+
+
+@triton.jit
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, h_ptr, s_ptr, o_ptr, h_out_ptr, s_out_ptr,
+                      scale, ridge, rho2, n_iter, T, H, K, V, HAS_BETA: tl.constexpr, HAS_ALPHA: tl.constexpr,
+                      HAS_INIT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KEY_SCALE: tl.constexpr,
+                      VALUE_SCALE: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // H
+    head = bh % H
+    ck = tl.arange(0, BK)
+    cv = tl.arange(0, BV)
+    k_ok, v_ok = ck < K, cv < V
+    hh_at = bh.to(tl.int64) * K * K + ck[:, None] * K + ck[None, :]
+    hs_at = bh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
+    hh_ok = k_ok[:, None] & k_ok[None, :]
+    hs_ok = k_ok[:, None] & v_ok[None, :]
+    if HAS_INIT:
+        state_h = tl.load(h_ptr + hh_at, mask=hh_ok, other=0.0).to(tl.float32)
+        state_s = tl.load(s_ptr + hs_at, mask=hs_ok, other=0.0).to(tl.float32)
+    else:
+        state_h = tl.zeros([BK, BK], dtype=tl.float32)
+        state_s = tl.zeros([BK, BV], dtype=tl.float32)
+    one = tl.zeros([1], dtype=tl.int32)
+    for t in range(T):
+        tok = (b.to(tl.int64) * T + t) * H + head
+        q = tl.load(q_ptr + tok * K + ck, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + tok * K + ck, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + tok * V + cv, mask=v_ok, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + tok + one).to(tl.float32))
+        if HAS_BETA:  # noqa: SIM108 (a constexpr branch)
+            bt = tl.load(beta_ptr + tok + one).to(tl.float32)
+        else:
+            bt = tl.full([1], 1.0, tl.float32)
+        kb = k * KEY_SCALE(bt)
+        vb = v * VALUE_SCALE(bt)
+        state_h = decay[:, None] * state_h + kb[:, None] * kb[None, :]
+        state_s = decay[:, None] * state_s + kb[:, None] * vb[None, :]
+        norm = tl.sqrt(tl.sum(tl.sum(state_h * state_h, 1), 0))
+        lam = ridge * norm
+        step0 = 2.0 / (tl.where(norm > 0, norm, 1.0) * (1.0 + 2.0 * ridge))  # 2 / (L + mu)
+        x = step0 * q
+        d = x
+        omega = rho2 * 0.0 + 2.0  # a tensor from the start: the loop carries one type
+        for _ in range(n_iter):
+            omega = 4.0 / (4.0 - rho2 * omega)
+            step = (omega - 1.0) * d - step0 * omega * (tl.sum(state_h * x[None, :], 1) + lam * x - q)
+            x = x + step
+            d = step
+        if HAS_ALPHA:  # noqa: SIM108 (a constexpr branch)
+            qa = q + tl.load(alpha_ptr + tok + one).to(tl.float32) * (x - q)
+        else:
+            qa = x
+        o = scale * tl.sum(state_s * qa[:, None], 0)
+        tl.store(o_ptr + tok * V + cv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(h_out_ptr + hh_at, state_h, mask=hh_ok)
+    tl.store(s_out_ptr + hs_at, state_s, mask=hs_ok)
+
+
+def recurrent(config: Any, hooks: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor | None, alpha: torch.Tensor | None, h_init: torch.Tensor | None,
+              s_init: torch.Tensor | None, scale: float, ridge: float, num_iter: int) -> tuple:
+    """o [B, T, H, V] in v's dtype and the states after the last token (fp32)."""
+    B, T, heads, K = q.shape
+    V = v.shape[3]
+    q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+    beta = beta.contiguous() if beta is not None else None
+    alpha = alpha.contiguous() if alpha is not None else None
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if config.poison_outputs:
+        o.fill_(float("nan"))
+    h_fin = torch.empty((B, heads, K, K), dtype=torch.float32, device=q.device)
+    s_fin = torch.empty((B, heads, K, V), dtype=torch.float32, device=q.device)
+    states = (h_init.contiguous(), s_init.contiguous()) if h_init is not None and s_init is not None else None
+    has_init = states is not None
+    _fast(_recurrent_kernel)[(B * heads,)](
+        q, k, v, g, beta if beta is not None else g, alpha if alpha is not None else g,
+        states[0] if states else h_fin, states[1] if states else s_fin, o, h_fin, s_fin,
+        float(scale), float(ridge), float(hooks.rho(float(ridge))) ** 2, int(num_iter), T, heads, K, V,
+        HAS_BETA=beta is not None, HAS_ALPHA=alpha is not None, HAS_INIT=has_init, BK=triton.next_power_of_2(K),
+        BV=triton.next_power_of_2(V), KEY_SCALE=hooks.key_scale, VALUE_SCALE=hooks.value_scale,
+        num_warps=8)
+    return o, h_fin, s_fin
