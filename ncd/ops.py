@@ -92,14 +92,13 @@ def chunk_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any = Non
               num_iter: int = 30, chunk_size: int = 64, config: Mapping[str, object] | None = None) -> Any:
     """Gated KalmaNet core compiled from `specs/gka.ncd`, with fla's conventions and positional order (q, k, v, g,
     beta, scale, initial_state, output_final_state, cu_seqlens, as fla's chunk_gated_delta_rule; alpha and the
-    rest by keyword): q, k [B, T, H, K],
-    v [B, T, H, V], g [B, T, H] natural-log gates (<= 0), beta / alpha [B, T, H] (None: no key/value scaling;
-    alpha = 1), scale a number or a one-element tensor (with its gradient when it requires one; double backward
-    raises), default K^-1/2; non-finite inputs give NaN outputs only where they reach (g = -inf is a reset);
-    states (H [N, H, K, K], S [N, H, K, V]) fp32, `cu_seqlens` packs N sequences into B = 1. Returns
-    (o [B, T, H, V], final_state or None). Any head sizes: the spec is compiled once per (K, V) with its fixed
-    axes overridden. `config` overrides fields of the recurrence family's config (`Op.with_config`, e.g.
-    `{"dot_precision": "ieee"}`): another op, compiled once per (K, V, config)."""
+    rest by keyword). q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] natural-log gates (<= 0), beta and alpha
+    [B, T, H] (None: no key/value scaling; alpha = 1), scale a number or a one-element tensor (with its gradient
+    when it requires one; double backward raises), default K^-1/2; non-finite inputs give NaN outputs only where
+    they reach (g = -inf is a reset); states (H [N, H, K, K], S [N, H, K, V]) fp32, `cu_seqlens` packs N
+    sequences into B = 1. Returns (o [B, T, H, V], final_state or None). Any head sizes: the spec is compiled
+    once per (K, V) with its fixed axes overridden. `config` overrides fields of the recurrence family's config
+    (`Op.with_config`, e.g. `{"dot_precision": "ieee"}`): another op, compiled once per (K, V, config)."""
     return _gka_op("chunk_gka", q, v, config).module.chunk(q, k, v, g, beta, scale, initial_state,
                                                             output_final_state, cu_seqlens, alpha=alpha, ridge=ridge,
                                                             num_iter=num_iter, chunk_size=chunk_size)

@@ -177,19 +177,19 @@ def run_case(op: Op, forms, case: Case, device: str = "cpu", seed: int | None = 
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     target, inputs = case_inputs(forms, case, device, generator)
     kernel_plan = target.plan
-    differentiable = [n for n in inputs if n not in kernel_plan.constant_inputs()]
+    differentiable = [] if forms.forward_only(case) else [n for n in inputs if n not in kernel_plan.constant_inputs()]
     leaves = {n: v.detach().requires_grad_(n in differentiable) for n, v in inputs.items()}
     with forms.switches(target, case), poisoned():  # an element a kernel forgets to store shows up as NaN
         out = forms.call(target, case, leaves)
         grad_out = torch.randn(out.shape, dtype=torch.float32, generator=generator).to(device=device,
                                                                                       dtype=out.dtype)
-        grads = torch.autograd.grad(out, [leaves[n] for n in differentiable], grad_out)
+        grads = torch.autograd.grad(out, [leaves[n] for n in differentiable], grad_out) if differentiable else ()
     ref_leaves = {n: v.detach().to("cpu", torch.float64).requires_grad_(n in differentiable)
                   for n, v in inputs.items()}
     with forms.reference_conventions():
         ref = forms.reference(target, case, ref_leaves)
         ref_grads = torch.autograd.grad(ref, [ref_leaves[n] for n in differentiable], grad_out.cpu().double(),
-                                        allow_unused=True)
+                                        allow_unused=True) if differentiable else ()
     ref_grads = tuple(torch.zeros_like(ref_leaves[n]) if g is None else g
                       for n, g in zip(differentiable, ref_grads, strict=True))
 

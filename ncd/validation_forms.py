@@ -69,6 +69,10 @@ class Forms:
     def op_for(self, case: Case) -> Op:
         return self.op
 
+    def forward_only(self, case: Case) -> bool:
+        """Whether the case's form has no backward (decoding): only its output is checked."""
+        return False
+
     def sizes(self, case: Case, sizes: dict[str, int]) -> dict[str, int]:
         return sizes
 

@@ -1,5 +1,5 @@
 """What `ncd check` runs for the gated recurrence: chunk sizes, packed sequences (cu_seqlens), initial state,
-and gates at 0 and -30."""
+decoding from a prefill's state, and gates at 0 and -30."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from ncd.validation_forms import FP32, Forms
 
 class RecurrenceForms(Forms):
     """GKA: the default chunk size at the spec's sizes; chunk sizes 16 and 32 (three and two chunks at 37
-    tokens), packed sequences (`cu_seqlens`), and a chained call through `initial_state`/`output_final_state`,
-    each on a twin compiled with small head dims (the same generated code; the interpreter's cost grows with
-    K x K states); gates at exactly 0 and far below; bf16."""
+    tokens), packed sequences (`cu_seqlens`), a chained call through `initial_state`/`output_final_state`, and
+    decoding (`recurrent`, forward only) from a chunked prefill's state, one token and then the rest, each on a
+    twin compiled with small head dims (the same generated code; the interpreter's cost grows with K x K states);
+    gates at exactly 0 and far below; bf16."""
 
     default_form = "chunk default"
     TWIN_KDIM, TWIN_VDIM = 16, 12
@@ -37,7 +38,9 @@ class RecurrenceForms(Forms):
         out = [Case("chunk default", "normal", FP32), Case("chunk 16", "normal", FP32, True),
                Case("chunk 32", "gates", FP32, True), Case("cu_seqlens", "normal", FP32, True),
                Case("state", "normal", FP32, True)]
-        return out + [Case("chunk 16", "normal", d, True) for d in dtypes if d != FP32]
+        # decoding last: the earlier cases keep their indices, so a seed draws what it drew before
+        return out + [Case("chunk 16", "normal", d, True) for d in dtypes if d != FP32] + [
+            Case("decode", "normal", FP32, True)]
 
     def op_for(self, case: Case) -> Op:
         if not case.small:
@@ -49,11 +52,14 @@ class RecurrenceForms(Forms):
                 sizes[axis] = size
         return self.variant(sizes=sizes)
 
+    def forward_only(self, case: Case) -> bool:
+        return case.form == "decode"
+
     def sizes(self, case: Case, sizes: dict[str, int]) -> dict[str, int]:
         r = self.plan.roles
         if not case.small:  # one sequence per head at the spec's head dims; the twins run two
             return {**sizes, r.batch: 1}
-        return {**sizes, r.batch: 1 if case.form in ("cu_seqlens", "state") else 2, r.head: 1,
+        return {**sizes, r.batch: 1 if case.form in ("cu_seqlens", "state", "decode") else 2, r.head: 1,
                 r.time: self.PACKED[-1] if case.form == "cu_seqlens" else sizes[r.time]}
 
     def draw(self, case: Case, inputs: dict[str, torch.Tensor], generator: torch.Generator | None
@@ -82,6 +88,13 @@ class RecurrenceForms(Forms):
                                  chunk_size=16)
             second, _ = chunk(**self._kwargs(leaves, slice(self.SPLIT, None)), initial_state=state, chunk_size=16)
             return torch.cat([first, second], dim=1)
+        if case.form == "decode":  # prefill, then decoding: one token, then the rest in one call
+            first, state = chunk(**self._kwargs(leaves, slice(None, self.SPLIT)), output_final_state=True,
+                                 chunk_size=16)
+            one, state = op.module.recurrent(**self._kwargs(leaves, slice(self.SPLIT, self.SPLIT + 1)),
+                                             initial_state=state)
+            rest, _ = op.module.recurrent(**self._kwargs(leaves, slice(self.SPLIT + 1, None)), initial_state=state)
+            return torch.cat([first, one, rest], dim=1)
         return chunk(**self._kwargs(leaves), chunk_size=int(case.form.split()[-1]))[0]
 
     def reference(self, op: Op, case: Case, leaves: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -158,12 +158,12 @@ class GKAOp:
               ridge: float | None = None, num_iter: int | None = None, chunk_size: int | None = None) -> tuple:
         """The chunked op with fla's conventions, in the positional order of fla's chunk_gated_delta_rule (q, k,
         v, g, beta, scale, initial_state, output_final_state, cu_seqlens); alpha and the rest by keyword only.
-        q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] natural-log gates
-        (<= 0; -inf is a full reset), beta / alpha [B, T, H] or None (no key/value scaling; alpha = 1; either must
-        be None where the spec has no such input). scale: a number or a one-element tensor (its gradient is
-        computed when it requires one). initial_state: (H [N, H, K, K], S [N, H, K, V]) fp32 or None. Returns
-        (o [B, T, H, V], final_state or None). A non-finite input makes NaN exactly the outputs it reaches
-        (guard_non_finite); double backward raises. ridge, num_iter, chunk_size: None takes the op's own."""
+        q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] natural-log gates (<= 0; -inf is a full reset), beta and
+        alpha [B, T, H] or None (no key/value scaling; alpha = 1; either must be None where the spec has no such
+        input). scale: a number or a one-element tensor (its gradient is computed when it requires one).
+        initial_state: (H [N, H, K, K], S [N, H, K, V]) fp32 or None. Returns (o [B, T, H, V], final_state or
+        None). A non-finite input makes NaN exactly the outputs it reaches (guard_non_finite); double backward
+        raises. ridge, num_iter, chunk_size: None takes the op's own."""
         ridge = self.ridge if ridge is None else ridge
         num_iter = self.num_iter if num_iter is None else num_iter
         chunk_size = self.chunk_size if chunk_size is None else chunk_size
