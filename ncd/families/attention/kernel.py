@@ -1543,6 +1543,7 @@ class AttentionKernels:
         # the forward streams in base 2 wherever the maps are exp (FOLD), after a score modifier or a pre-map too
         # (it applies them to the natural score first); the backward's EXP2 leaves those out (`_score_grads`)
         self.forward_spec = {**self.spec, "EXP2": config.exp2 or (config.fold and (has_score or has_pre))}
+        self.spec_without_grads = {**self.spec, "HAS_SCORE_GRADS": False}  # a backward with no gradient buffers
         key, c = [*TUNE_KEY, *VALUE_KEY, *HOOK_KEY], config
         forward_tiles = c.forward_tiles + tuple(t for t in MEASURED_FORWARD_TILES if t not in c.forward_tiles)
         self.fwd_kernel = autotuned(fwd_kernel, tile_configs("fwd", forward_tiles), [*key, "TMA"])
@@ -1639,7 +1640,7 @@ class AttentionKernels:
         delta_in: fp32 [B, H, N_Q] added to each row's delta (the row statistic's gradient: runtime.py)."""
         context = self._context(context)
         # no gradient buffers: no modifier tensor asked for a gradient, and the kernels skip their atomic adds
-        spec = self.spec if grads else {**self.spec, "HAS_SCORE_GRADS": False}
+        spec = self.spec if grads else self.spec_without_grads
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         value_dim = v.shape[3]
         widths = {"HEAD_DIM": head_tile(head_dim), "D": head_dim, "HEAD_DIM_V": head_tile(value_dim), "DV": value_dim}

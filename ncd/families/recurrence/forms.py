@@ -83,14 +83,13 @@ class RecurrenceForms(Forms):
         if case.form == "cu_seqlens":
             cu = torch.tensor(self.PACKED, dtype=torch.int32, device=leaves[self.plan.roles.q].device)
             return chunk(**self._kwargs(leaves), cu_seqlens=cu, chunk_size=16)[0]
-        if case.form == "state":
+        if case.form in ("state", "decode"):  # a chunked prefill, then the rest from its final state
             first, state = chunk(**self._kwargs(leaves, slice(None, self.SPLIT)), output_final_state=True,
                                  chunk_size=16)
+        if case.form == "state":
             second, _ = chunk(**self._kwargs(leaves, slice(self.SPLIT, None)), initial_state=state, chunk_size=16)
             return torch.cat([first, second], dim=1)
-        if case.form == "decode":  # prefill, then decoding: one token, then the rest in one call
-            first, state = chunk(**self._kwargs(leaves, slice(None, self.SPLIT)), output_final_state=True,
-                                 chunk_size=16)
+        if case.form == "decode":  # decoding: one token, then the rest in one call
             one, state = op.module.recurrent(**self._kwargs(leaves, slice(self.SPLIT, self.SPLIT + 1)),
                                              initial_state=state)
             rest, _ = op.module.recurrent(**self._kwargs(leaves, slice(self.SPLIT + 1, None)), initial_state=state)

@@ -140,6 +140,17 @@ class GKAOp:
                 rt.check_device([(r.q, q), (name, t)])
         return sizes
 
+    def _scale(self, scale: Any, sizes: dict[str, int]) -> Any:
+        """The call's scale (the spec's default where None): a number or a one-element tensor, else CallError."""
+        if scale is None:
+            scale = self.scale_default(sizes)
+        if scale is None:
+            raise CallError(None, detail=f"{self.spec_name}: scale is required (the spec gives it no default)")
+        if isinstance(scale, torch.Tensor) and scale.numel() != 1:
+            raise CallError(None, detail=f"{self.spec_name}: scale must be a number or a one-element tensor, got "
+                            f"shape {tuple(scale.shape)}")
+        return scale
+
     def _check_presence(self, q: Any, k: Any, v: Any, g: Any, beta: Any, alpha: Any, scale: Any) -> None:
         r = self.roles
         for name, t in ((r.q, q), (r.k, k), (r.v, v), (r.g, g)):
@@ -169,17 +180,10 @@ class GKAOp:
         chunk_size = self.chunk_size if chunk_size is None else chunk_size
         self._check_presence(q, k, v, g, beta, alpha, scale)
         sizes = self._check(q, k, v, g, beta, alpha, initial_state, cu_seqlens, chunk_size)
-        if scale is None:
-            scale = self.scale_default(sizes)
-        if scale is None:
-            raise CallError(None, detail=f"{self.spec_name}: scale is required (the spec gives it no default)")
+        scale = self._scale(scale, sizes)
         scale_tensor = None  # a scale with a gradient to compute: the kernels run at scale 1, the product is autograd's
-        if isinstance(scale, torch.Tensor):
-            if scale.numel() != 1:
-                raise CallError(None, detail=f"{self.spec_name}: scale must be a number or a one-element tensor, got "
-                                f"shape {tuple(scale.shape)}")
-            if scale.requires_grad and torch.is_grad_enabled():
-                scale_tensor, scale = scale.reshape(()), 1.0
+        if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
+            scale_tensor, scale = scale.reshape(()), 1.0
         scale = float(scale) * self.output_factor
         packed = cu_seqlens is not None
         bounds = self._chunk_table(1, q.shape[1], cu_seqlens, chunk_size, q.device)[5] if packed else None
@@ -220,18 +224,9 @@ class GKAOp:
                                            for t in (q, k, v, g, beta, alpha, scale, *(initial_state or ()))):
             raise CallError(None, detail=f"{self.spec_name}: recurrent() is for decoding and has no backward; an "
                             "input requires a gradient (use chunk() to train, or call under torch.no_grad())")
-        if scale is None:
-            scale = self.scale_default(sizes)
-        if scale is None:
-            raise CallError(None, detail=f"{self.spec_name}: scale is required (the spec gives it no default)")
-        if isinstance(scale, torch.Tensor):
-            if scale.numel() != 1:
-                raise CallError(None, detail=f"{self.spec_name}: scale must be a number or a one-element tensor, got "
-                                f"shape {tuple(scale.shape)}")
-            scale = float(scale)
+        scale = float(self._scale(scale, sizes)) * self.output_factor
         h_init, s_init = initial_state if initial_state is not None else (None, None)
-        o, h_fin, s_fin = self._launch_step(q, k, v, g, beta, alpha, h_init, s_init,
-                                            float(scale) * self.output_factor, ridge, num_iter)
+        o, h_fin, s_fin = self._launch_step(q, k, v, g, beta, alpha, h_init, s_init, scale, ridge, num_iter)
         return o, ((h_fin, s_fin) if output_final_state else None)
 
     def call_spec(self, required: Sequence[tuple[str, Any]], **inputs: Any) -> torch.Tensor:
