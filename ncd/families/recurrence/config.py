@@ -64,3 +64,28 @@ class RecurrenceConfig:
             f"  scan tiles (rows, columns, warps): forward {self.scan_tiles_fwd} with {self.scan_stages} stages, "
             f"backward {self.scan_tiles_bwd}; output value block {self.output_bv}",
         ]
+
+
+@dataclass(frozen=True)
+class LinearScanConfig:
+    """What the plan of a gated linear attention (kernel_linear.py) decides for its kernels."""
+
+    chunk: int = 64  # tokens per chunk: the op's default chunk_size
+    output_factor: float = 1.0  # the output's constant factors beside the scale input
+    # Operand precision for fp32 inputs (16-bit inputs multiply their own type): None is tf32x3
+    dot_precision: str | None = None
+    scan_tiles: tuple[int, int, int] = (64, 64, 4)  # state tile (keys, values) and warps of one scan program
+    poison_outputs: bool = False  # fill every output buffer with NaN before the kernels write it (tests)
+
+    def __post_init__(self) -> None:
+        if self.dot_precision not in (None, "tf32", "tf32x3", "ieee"):
+            raise ValueError(f"dot_precision must be None, tf32, tf32x3 or ieee, not {self.dot_precision!r}")
+        if self.chunk not in (16, 32, 64, 128):
+            raise ValueError(f"chunk must be 16, 32, 64 or 128, not {self.chunk}")
+
+    def describe(self) -> list[str]:
+        return [
+            "config:",
+            f"  chunk {self.chunk}, output factor {self.output_factor:g}; products: the inputs' 16-bit type, fp32 "
+            f"inputs {self.dot_precision or 'tf32x3'}; scan tile (keys, values, warps) {self.scan_tiles}",
+        ]

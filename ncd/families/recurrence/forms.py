@@ -74,7 +74,7 @@ class RecurrenceForms(Forms):
     def _kwargs(self, leaves: dict[str, torch.Tensor], part: slice = slice(None)) -> dict[str, object]:
         r = self.plan.roles
         names = {"q": r.q, "k": r.k, "v": r.v, "g": r.g, "beta": r.beta, "alpha": r.alpha}
-        return {role: leaves[name][:, part] if name else None for role, name in names.items()}
+        return {role: leaves[name][:, part] for role, name in names.items() if name}
 
     def call(self, op: Op, case: Case, leaves: dict[str, torch.Tensor]) -> torch.Tensor:
         if case.form == "chunk default":

@@ -25,6 +25,7 @@ import sympy
 from ncd import ir
 from ncd.errors import NcdError
 from ncd.families.recurrence.config import RecurrenceConfig
+from ncd.families.recurrence.linear import LinearScanPlan, recognize_linear
 from ncd.family import Decline
 from ncd.pipeline import FrontEnd
 from ncd.source import origin_name
@@ -183,7 +184,7 @@ def _fp32_products() -> bool:
 # --- recognition --------------------------------------------------------------------------------------------
 
 
-def plan_recurrence(front: FrontEnd, bindings: dict[str, int]) -> RecurrencePlan | Decline:
+def plan_recurrence(front: FrontEnd, bindings: dict[str, int]) -> RecurrencePlan | LinearScanPlan | Decline:
     program = front.program
     if not any(isinstance(n, ir.Scan) for d in program.definitions for n in ir.walk(d.value)):
         return Decline("the spec has no scan (a gated recurrence over time)")
@@ -218,7 +219,7 @@ class _Recognizer:
             raise _fail(node, f"expected {what} to be a declared input")
         return node.tensor
 
-    def run(self) -> RecurrencePlan:
+    def run(self) -> RecurrencePlan | LinearScanPlan:
         outputs = self.program.outputs
         if len(outputs) != 1:
             raise _fail(outputs[-1].span if outputs else None, "the recurrence family compiles one output")
@@ -233,10 +234,8 @@ class _Recognizer:
             raise _fail(value, "expected one side of the output contraction to be a scanned state (`scan(...)`)")
         u_name = states[0].tensor
         reader = sides[1] if sides[0] is states[0] else sides[0]
-        if isinstance(reader, ir.Load) and reader.tensor not in self.lets:
-            raise _fail(value, f"{u_name} is read by {reader.tensor} directly (gated linear attention, no ridge solve);"
-                        " the recurrence kernels compile the Gated KalmaNet form only, where the state is read "
-                        "through a chebyshev_solve of a second scanned state (specs/gka.ncd)")
+        if isinstance(reader, ir.Load) and reader.tensor not in self.lets:  # gated linear attention
+            return recognize_linear(self, out, value, scale, output_factor, states[0], reader)
         qa_name, qa_value = self.let_of(reader, "the query side", value)
         kdim = value.over[0]
 

@@ -1,5 +1,5 @@
-"""Plain PyTorch references for the Gated KalmaNet core (fla layout: q, k [B, T, H, K], v [B, T, H, V], g, beta,
-alpha [B, T, H]; states H [B, H, K, K], S = U^T [B, H, K, V]).
+"""Plain PyTorch references for the Gated KalmaNet core and for gated linear attention (naive_simple_gla), in fla's
+layout: q, k [B, T, H, K], v [B, T, H, V], g, beta, alpha [B, T, H]; states H [B, H, K, K], S = U^T [B, H, K, V].
 
 `naive_gka`: the per-timestep recurrence running the same Chebyshev iteration (or an exact solve), differentiable
 by autograd: the test oracle. `chunked_gka`: the chunked algorithm in torch ops (the benchmark's chunked baseline).
@@ -101,3 +101,16 @@ def chunked_gka(q, k, v, g, beta=None, alpha=None, scale=None, ridge=0.02, num_i
     o = scale * (eg[..., None] * (qa @ s0) + ((qa @ kc.transpose(-1, -2)) * decay) @ vc)
     o = o.transpose(2, 3).transpose(1, 3).reshape(B, n * chunk, heads, V)[:, :T]
     return o.to(v.dtype)
+
+
+def naive_simple_gla(q, k, v, g, scale=None, initial_state=None):
+    """Gated linear attention token by token, S_t = exp(g_t) S_(t-1) + k_t v_t^T, o_t = scale S_t^T q_t: returns
+    (o [B, T, H, V], S_T [B, H, K, V]); computes in q's dtype (pass float64 for an oracle), differentiable."""
+    B, T, heads, K = q.shape
+    scale = K ** -0.5 if scale is None else scale
+    s = q.new_zeros(B, heads, K, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
+    outs = []
+    for t in range(T):
+        s = g[:, t].exp()[..., None, None].to(q.dtype) * s + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(scale * (q[:, t, :, None, :] @ s)[..., 0, :])
+    return torch.stack(outs, 1), s

@@ -1,5 +1,6 @@
-"""Code generation for the recurrence family (Gated KalmaNet): the spec's hooks and config for the static kernels
-of kernel.py (templates/recurrence.py.jinja), then the PyTorch op (templates/recurrence_op.py.jinja).
+"""Code generation for the recurrence family. Gated linear attention: render_linear_module, the config and op on
+kernel_linear.py's static kernels (templates/linear_scan.py.jinja). Gated KalmaNet: the spec's hooks and config for
+the static kernels of kernel.py (templates/recurrence.py.jinja), then the PyTorch op (templates/recurrence_op.py.jinja).
 Spec-derived pieces are the per-token scalings and their derivatives (sympy, printed as Triton device functions),
 the contraction rate, the plan's config (ridge, iteration count, output factor, precisions, tiles) and the scale
 default."""
@@ -13,6 +14,7 @@ import sympy
 
 from ncd import ir
 from ncd.codegen.shared import CodegenError, default_code, environment
+from ncd.families.recurrence.linear import LinearScanPlan
 from ncd.families.recurrence.plan import BETA, RIDGE, RecurrencePlan
 from ncd.source import origin_name
 from ncd.symbolic import triton_expr
@@ -75,3 +77,25 @@ class _Roles:
     def __getattr__(self, name: str) -> str:
         value = getattr(self._roles, name)
         return value if value is not None else name
+
+
+def render_linear_module(program: ir.Program, plan: LinearScanPlan, op_id: str) -> str:
+    """The gated linear attention's module: its config and the op on kernel_linear.py's static kernels."""
+    r = plan.roles
+    inputs = list(program.inputs)
+    by_role = {r.q: "q", r.k: "k", r.v: "v", r.g: "g", r.scale: "scale"}
+    scale_input = program.tensor(r.scale) if r.scale else None
+    scale_default = "1.0" if scale_input is None else (
+        default_code(program, scale_input) if scale_input.default is not None else "None")
+    axes = {role: tuple(program.tensor(name).axes) for role, name in
+            (("q", r.q), ("k", r.k), ("v", r.v), ("g", r.g), ("o", r.output))}
+    text = environment().get_template("linear_scan.py.jinja").render(
+        spec_name=program.name, op_id=op_id, origin_file=origin_name(program.source.filename), roles=_Roles(r),
+        origins=plan.origins, config_repr={f.name: repr(getattr(plan.config, f.name)) for f in fields(plan.config)},
+        params=[t.name if t.default is None else f"{t.name}=None" for t in inputs],
+        required=[f"({t.name!r}, {t.name})" for t in inputs if t.default is None],
+        call_args=", ".join(f"{by_role[t.name]}={t.name}" for t in inputs), scale_default=scale_default,
+        scale_present=r.scale is not None, axes_table=repr({a.name: (a.fixed, a.factors) for a in program.axes}),
+        axes=axes)
+    ast.parse(text)  # the template must always produce valid Python
+    return text

@@ -50,7 +50,97 @@ def _opt(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is not None and t.numel() > 0 else None
 
 
-class GKAOp:
+class ScanOp:
+    """What the recurrence ops share: call checks (names, axes, dtypes, devices, cu_seqlens, initial states), the
+    scale's resolution and the function named after the spec. Subclasses set the attributes below and say their
+    initial states' shapes (`_state_shapes`)."""
+
+    spec_name: str
+    roles: Roles
+    axes: Mapping[str, tuple[int | None, tuple]]
+    output_factor: float
+    scale_default: Callable[[dict[str, int]], float | None]
+    _chunk_table: Callable[..., Any]
+
+    @staticmethod
+    def _state_shapes(initial_state: Any, n_seq: int, heads: int, K: int, V: int) -> list:
+        """(name, tensor, shape, axes) of each initial state."""
+        raise NotImplementedError
+
+    # --- calls --------------------------------------------------------------------------------------------------
+
+    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: Any, alpha: Any,
+               initial_state: Any, cu_seqlens: Any, chunk_size: int) -> dict[str, int]:
+        r = self.roles
+        tensors = [(r.q, q, r.axes["q"]), (r.k, k, r.axes["k"]), (r.v, v, r.axes["v"]), (r.g, g, r.axes["g"])]
+        if beta is not None:
+            tensors.append((r.beta or "beta", beta, r.axes["beta"]))
+        if alpha is not None:
+            tensors.append((r.alpha or "alpha", alpha, r.axes["alpha"]))
+        sizes = rt.bind_axes(self.axes, tensors)
+        rt.check_floats([(name, t) for name, t, _ in tensors[:3]])
+        rt.check_floats([(name, t) for name, t, _ in tensors[3:]], same_dtype=False)
+        rt.check_device([(name, t) for name, t, _ in tensors])
+        if chunk_size not in CHUNK_SIZES:
+            raise CallError(None, detail=f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
+        if q.numel() >= 2**31 or v.numel() >= 2**31:
+            raise CallError(None, detail=f"{self.spec_name}: tensors too large for the kernels' 32-bit offsets")
+        n_seq = q.shape[0]
+        if cu_seqlens is not None:
+            if q.shape[0] != 1:
+                raise CallError(None, detail=f"with cu_seqlens, {r.q} must have batch 1 (packed), got {q.shape[0]}")
+            if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+                raise CallError(None, detail="cu_seqlens must be a 1-D int32/int64 tensor [N + 1]")
+            bounds = self._chunk_table(1, q.shape[1], cu_seqlens, chunk_size, q.device)[5]  # the one host read
+            if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(b < a for a, b in pairwise(bounds)):
+                raise CallError(None, detail=f"cu_seqlens must rise from 0 to {q.shape[1]} (the packed length), "
+                                f"got {bounds}")
+            n_seq = len(bounds) - 1
+        if initial_state is not None:
+            heads, K, V = q.shape[2], q.shape[3], v.shape[3]
+            for name, t, shape, layout in self._state_shapes(initial_state, n_seq, heads, K, V):
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise CallError(None, detail=f"{name} must have shape {shape} [{layout}], got {got}")
+                rt.check_device([(r.q, q), (name, t)])
+        return sizes
+
+    def _scale(self, scale: Any, sizes: dict[str, int]) -> Any:
+        """The call's scale (the spec's default where None): a number or a one-element tensor, else CallError."""
+        if scale is None:
+            scale = self.scale_default(sizes)
+        if scale is None:
+            raise CallError(None, detail=f"{self.spec_name}: scale is required (the spec gives it no default)")
+        if isinstance(scale, torch.Tensor) and scale.numel() != 1:
+            raise CallError(None, detail=f"{self.spec_name}: scale must be a number or a one-element tensor, got "
+                            f"shape {tuple(scale.shape)}")
+        return scale
+
+    def _check_presence(self, q: Any, k: Any, v: Any, g: Any, beta: Any, alpha: Any, scale: Any) -> None:
+        r = self.roles
+        for name, t in ((r.q, q), (r.k, k), (r.v, v), (r.g, g)):
+            if not isinstance(t, torch.Tensor):
+                raise CallError(None, detail=f"{self.spec_name}: {name} must be a tensor, got {type(t).__name__}")
+        for name, t, in_spec in (("beta", beta, r.beta is not None), ("alpha", alpha, r.alpha is not None)):
+            if t is not None and not in_spec:
+                raise CallError(None, detail=f"{self.spec_name}: the spec has no {name} input, so {name} must be "
+                                "None; it would be ignored")
+        if scale is not None and r.scale is None:
+            raise CallError(None, detail=f"{self.spec_name}: the spec has no scale input, so scale must be None; it "
+                            "would be ignored")
+
+    def call_spec(self, required: Sequence[tuple[str, Any]], **inputs: Any) -> torch.Tensor:
+        """The function named after the spec: its inputs by role; those without a default must be given."""
+        for name, value in required:
+            if value is None:
+                raise CallError(None, detail=f"{self.spec_name}: {name} is required (the spec gives it no default)")
+        return self.chunk(**inputs)[0]
+
+    def chunk(self, *args: Any, **kwargs: Any) -> tuple:
+        raise NotImplementedError
+
+
+class GKAOp(ScanOp):
     """The chunked op: `chunk(...)` with fla's conventions, `recurrent(...)` for decoding from a state, and
     `call_spec` for the function named after the spec."""
 
@@ -100,69 +190,14 @@ class GKAOp:
         q = saved[0]
         return [torch.empty_like(t) if t is not None else q.new_empty(0) for t in saved[:8]]
 
-    # --- calls --------------------------------------------------------------------------------------------------
-
-    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: Any, alpha: Any,
-               initial_state: Any, cu_seqlens: Any, chunk_size: int) -> dict[str, int]:
-        r = self.roles
-        tensors = [(r.q, q, r.axes["q"]), (r.k, k, r.axes["k"]), (r.v, v, r.axes["v"]), (r.g, g, r.axes["g"])]
-        if beta is not None:
-            tensors.append((r.beta or "beta", beta, r.axes["beta"]))
-        if alpha is not None:
-            tensors.append((r.alpha or "alpha", alpha, r.axes["alpha"]))
-        sizes = rt.bind_axes(self.axes, tensors)
-        rt.check_floats([(name, t) for name, t, _ in tensors[:3]])
-        rt.check_floats([(name, t) for name, t, _ in tensors[3:]], same_dtype=False)
-        rt.check_device([(name, t) for name, t, _ in tensors])
-        if chunk_size not in CHUNK_SIZES:
-            raise CallError(None, detail=f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
-        if q.numel() >= 2**31 or v.numel() >= 2**31:
-            raise CallError(None, detail=f"{self.spec_name}: tensors too large for the kernels' 32-bit offsets")
-        n_seq = q.shape[0]
-        if cu_seqlens is not None:
-            if q.shape[0] != 1:
-                raise CallError(None, detail=f"with cu_seqlens, {r.q} must have batch 1 (packed), got {q.shape[0]}")
-            if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-                raise CallError(None, detail="cu_seqlens must be a 1-D int32/int64 tensor [N + 1]")
-            bounds = self._chunk_table(1, q.shape[1], cu_seqlens, chunk_size, q.device)[5]  # the one host read
-            if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(b < a for a, b in pairwise(bounds)):
-                raise CallError(None, detail=f"cu_seqlens must rise from 0 to {q.shape[1]} (the packed length), "
-                                f"got {bounds}")
-            n_seq = len(bounds) - 1
-        if initial_state is not None:
-            heads, K, V = q.shape[2], q.shape[3], v.shape[3]
-            h0, s0 = initial_state
-            for name, t, shape in (("initial_state[0]", h0, (n_seq, heads, K, K)),
-                                   ("initial_state[1]", s0, (n_seq, heads, K, V))):
-                if tuple(t.shape) != shape:
-                    raise CallError(None, detail=f"{name} must have shape {shape} [sequence head key key|value], "
-                                    f"got {tuple(t.shape)}")
-                rt.check_device([(r.q, q), (name, t)])
-        return sizes
-
-    def _scale(self, scale: Any, sizes: dict[str, int]) -> Any:
-        """The call's scale (the spec's default where None): a number or a one-element tensor, else CallError."""
-        if scale is None:
-            scale = self.scale_default(sizes)
-        if scale is None:
-            raise CallError(None, detail=f"{self.spec_name}: scale is required (the spec gives it no default)")
-        if isinstance(scale, torch.Tensor) and scale.numel() != 1:
-            raise CallError(None, detail=f"{self.spec_name}: scale must be a number or a one-element tensor, got "
-                            f"shape {tuple(scale.shape)}")
-        return scale
-
-    def _check_presence(self, q: Any, k: Any, v: Any, g: Any, beta: Any, alpha: Any, scale: Any) -> None:
-        r = self.roles
-        for name, t in ((r.q, q), (r.k, k), (r.v, v), (r.g, g)):
-            if not isinstance(t, torch.Tensor):
-                raise CallError(None, detail=f"{self.spec_name}: {name} must be a tensor, got {type(t).__name__}")
-        for name, t, in_spec in (("beta", beta, r.beta is not None), ("alpha", alpha, r.alpha is not None)):
-            if t is not None and not in_spec:
-                raise CallError(None, detail=f"{self.spec_name}: the spec has no {name} input, so {name} must be "
-                                "None; it would be ignored")
-        if scale is not None and r.scale is None:
-            raise CallError(None, detail=f"{self.spec_name}: the spec has no scale input, so scale must be None; it "
-                            "would be ignored")
+    @staticmethod
+    def _state_shapes(initial_state: Any, n_seq: int, heads: int, K: int, V: int) -> list:
+        """(name, tensor, shape, axes) of each initial state."""
+        if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
+            raise CallError(None, detail="initial_state must be a pair (H [N, H, K, K], S [N, H, K, V])")
+        h0, s0 = initial_state
+        return [("initial_state[0]", h0, (n_seq, heads, K, K), "sequence head key key"),
+                ("initial_state[1]", s0, (n_seq, heads, K, V), "sequence head key value")]
 
     def chunk(self, q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any = None, initial_state: Any = None,
               output_final_state: bool = False, cu_seqlens: Any = None, *, alpha: Any = None,
@@ -228,13 +263,6 @@ class GKAOp:
         h_init, s_init = initial_state if initial_state is not None else (None, None)
         o, h_fin, s_fin = self._launch_step(q, k, v, g, beta, alpha, h_init, s_init, scale, ridge, num_iter)
         return o, ((h_fin, s_fin) if output_final_state else None)
-
-    def call_spec(self, required: Sequence[tuple[str, Any]], **inputs: Any) -> torch.Tensor:
-        """The function named after the spec: its inputs by role; those without a default must be given."""
-        for name, value in required:
-            if value is None:
-                raise CallError(None, detail=f"{self.spec_name}: {name} is required (the spec gives it no default)")
-        return self.chunk(**inputs)[0]
 
 
 # --- non-finite inputs ------------------------------------------------------------------------------------------

@@ -1,0 +1,174 @@
+"""GPU benchmark of gated linear attention compiled from specs/simple_gla.ncd (issue 33), one run: correctness
+first, then timings against fla (fla-core wheel: chunk_simple_gla, fused_recurrent_simple_gla).
+
+Correctness: ncd's output, final state and every gradient (q, k, v, g, initial state) against the float64
+per-token recurrence at B 2, T 300 (chunk 64: T not a multiple of it), fp32 and bf16 inputs; fla's beside it.
+Timings (bf16, do_bench medians, ms): forward and forward+backward at B 4, T 2k-16k, H 8 and 16, D 128; decoding
+one token at B 32, H 16, D 128 from an fp32 state, as a fraction of the bandwidth needed to read and write the
+state once (measured against a device-to-device copy of the same bytes in the same run).
+
+    cd /tmp && python3 /path/to/repo/bench/recurrence.py [--ts 2048,4096,8192,16384] [--hs 8,16]
+Prints a short table last; rows go to $OUT/recurrence.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+import ncd
+from ncd.families.recurrence.reference import naive_simple_gla
+from ncd.ops import shipped_spec
+
+D = 128
+FLA_BACKWARD = False  # set by main: whether fla's gated backward runs here (it refuses Hopper with Triton < 3.7.1)
+
+
+def ms(fn, rep=100):
+    return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+
+
+def draw(b, t, h, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, t, h, D, device="cuda", generator=gen).to(dtype)
+    k = (torch.randn(b, t, h, D, device="cuda", generator=gen) * D ** -0.5).to(dtype)
+    v = torch.randn(b, t, h, D, device="cuda", generator=gen).to(dtype)
+    g = F.logsigmoid(torch.randn(b, t, h, device="cuda", generator=gen) + 3.0)
+    return q, k, v, g
+
+
+def rms(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+
+
+def gradients(fn, inputs, do, dfinal):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    o, final = fn(*leaves)
+    grads = torch.autograd.grad((o, final), leaves, (do, dfinal))
+    return [o, final, *grads]
+
+
+def check(module, fla, failures):
+    names = ["o", "S_T", "dq", "dk", "dv", "dg", "dS_0"]
+    for dtype, limit in ((torch.float32, 1e-4), (torch.bfloat16, 5e-3)):
+        q, k, v, g = draw(2, 300, 2, dtype, seed=1)
+        s0 = torch.randn(2, 2, D, D, device="cuda") * 0.1
+        do = torch.randn_like(v)
+        dfin = torch.randn_like(s0)
+        ref = gradients(lambda *t: naive_simple_gla(*t[:4], initial_state=t[4]),
+                        [x.double() for x in (q, k, v, g, s0)], do.double(), dfin.double())
+        got = gradients(lambda *t: module.chunk(*t[:4], initial_state=t[4], output_final_state=True),
+                        (q, k, v, g, s0), do, dfin)
+        errs = [rms(a, b) for a, b in zip(got, ref, strict=True)]
+        line = ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errs, strict=True))
+        bad = [n for n, e in zip(names, errs, strict=True) if not e <= limit]
+        verdict = f"FAIL {bad}" if bad else "OK"
+        print(f"  ncd vs fp64 recurrence ({str(dtype)[6:]}): {line} (limit {limit:g}) {verdict}")
+        failures += [f"{dtype} {n}" for n in bad]
+        if fla is not None:
+            theirs = fla[0](q, k, v, g, initial_state=s0, output_final_state=True)
+            print(f"  fla vs fp64 recurrence ({str(dtype)[6:]}): " + ", ".join(
+                f"{n} {rms(a, b):.1e}" for n, a, b in zip(names[:2], theirs, ref[:2], strict=True)))
+            if FLA_BACKWARD:
+                theirs = gradients(lambda *t: fla[0](*t[:4], initial_state=t[4], output_final_state=True),
+                                   (q, k, v, g, s0), do, dfin)
+                print(f"  fla gradients vs fp64 ({str(dtype)[6:]}): " + ", ".join(
+                    f"{n} {rms(a, b):.1e}" for n, a, b in zip(names[2:], theirs[2:], ref[2:], strict=True)))
+    # decoding continues a chunked prefill
+    q, k, v, g = draw(2, 130, 2, torch.bfloat16, seed=3)
+    whole, _ = module.chunk(q, k, v, g, output_final_state=True)
+    _, state = module.chunk(q[:, :129], k[:, :129], v[:, :129], g[:, :129], output_final_state=True)
+    one, _ = module.recurrent(q[:, 129:], k[:, 129:], v[:, 129:], g[:, 129:], initial_state=state)
+    err = rms(one, whole[:, 129:])
+    print(f"  decoding after a chunked prefill vs the chunked op: {err:.1e} {'OK' if err < 1e-2 else 'FAIL'}")
+    if not err < 1e-2:
+        failures.append("decode")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ts", default="2048,4096,8192,16384")
+    parser.add_argument("--hs", default="8,16")
+    parser.add_argument("--check-only", action="store_true")
+    args = parser.parse_args()
+    module = ncd.load(shipped_spec("simple_gla")).module
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+        fla = (chunk_simple_gla, fused_recurrent_simple_gla)
+    except ImportError as error:
+        print(f"fla not importable ({error}): ncd alone")
+        fla = None
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if fla is not None:
+        global FLA_BACKWARD
+        try:
+            x = [t.requires_grad_() for t in draw(1, 64, 1, torch.bfloat16, 0)]
+            fla[0](*x)[0].sum().backward()
+            FLA_BACKWARD = True
+        except RuntimeError as error:
+            print(f"fla's backward does not run here: {str(error)[:160]}")
+    failures: list[str] = []
+    check(module, fla, failures)
+    rows = []
+    if not args.check_only:
+        for heads in map(int, args.hs.split(",")):
+            for t in map(int, args.ts.split(",")):
+                q, k, v, g = draw(4, t, heads, torch.bfloat16, seed=t)
+                leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
+                do = torch.randn_like(v)
+                row = {"B": 4, "T": t, "H": heads}
+
+                def fwdbwd(fn, leaves=leaves, do=do):
+                    o = fn(*leaves)[0]
+                    torch.autograd.grad(o, leaves, do)
+
+                row["ncd fwd"] = ms(lambda: module.chunk(q, k, v, g))  # noqa: B023
+                row["ncd f+b"] = ms(lambda: fwdbwd(module.chunk))
+                if fla is not None:
+                    row["fla fwd"] = ms(lambda: fla[0](q, k, v, g))  # noqa: B023
+                if FLA_BACKWARD:
+                    row["fla f+b"] = ms(lambda: fwdbwd(fla[0]))
+                rows.append(row)
+                print(row, flush=True)
+        # decoding: B 32, H 16, one token, fp32 state in and out
+        b, heads = 32, 16
+        q, k, v, g = draw(b, 1, heads, torch.bfloat16, seed=5)
+        state = torch.randn(b, heads, D, D, device="cuda")
+        row = {"decode B": b, "H": heads, "ncd": ms(lambda: module.recurrent(q, k, v, g, initial_state=state))}
+        if fla is not None:
+            row["fla"] = ms(lambda: fla[1](q, k, v, g, initial_state=state, output_final_state=True))
+        copy_out = torch.empty_like(state)
+        row["copy"] = ms(lambda: copy_out.copy_(state))
+        row["state MB"] = state.numel() * 4 / 1e6
+        rows.append(row)
+        print(row)
+    print("\n| shape | ncd fwd | fla fwd | fwd ratio | ncd f+b | fla f+b | f+b ratio |")
+    print("|---|---|---|---|---|---|---|")
+    nan = float("nan")
+    for row in rows:
+        if "T" in row:
+            fla_fwd, fla_fb = row.get("fla fwd", nan), row.get("fla f+b", nan)
+            print(f"| B4 T{row['T']} H{row['H']} | {row['ncd fwd']:.3f} | {fla_fwd:.3f} | "
+                  f"{fla_fwd / row['ncd fwd']:.2f}x | {row['ncd f+b']:.3f} | {fla_fb:.3f} | "
+                  f"{fla_fb / row['ncd f+b']:.2f}x |")
+        else:
+            gbs = 2 * row["state MB"] / row["ncd"] / 1e3
+            print(f"decode B32 H16 1 token: ncd {row['ncd'] * 1e3:.1f} us ({gbs:.0f} GB/s; a copy of the same bytes "
+                  f"{row['copy'] * 1e3:.1f} us: {row['copy'] / row['ncd']:.0%}), fla fused_recurrent "
+                  f"{row.get('fla', float('nan')) * 1e3:.1f} us")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "recurrence.json"), "w") as f:
+            json.dump({"rows": rows, "failures": failures}, f, indent=1)
+    print("FAILURES: " + ", ".join(failures) if failures else "all checks passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

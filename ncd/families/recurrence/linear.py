@@ -1,0 +1,164 @@
+"""Gated linear attention in the recurrence family: a gated outer-product scan read by the queries directly.
+
+Recognition (a located `unsupported` error where a spec departs from it):
+    S[.. time .. vdim kdim] = scan(exp(g) * prev + v * k, over time)     (either order of the factors and axes)
+    out o[.. time .. vdim] = scale * (S . q over kdim)                   (constant factors allowed)
+with q, k, v, g declared inputs in fla's layout ([batch time head dim], g [batch time head]). That is simple GLA,
+RetNet (a constant gate per head, passed per token) and the recurrence of Mamba-2's SSD form. The chunked form is
+derived in kernel_linear.py's docstring and printed by `--emit plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from ncd import ir
+from ncd.families.recurrence.config import LinearScanConfig
+
+if TYPE_CHECKING:
+    from ncd.families.recurrence.plan import _Recognizer
+
+
+@dataclass(frozen=True)
+class LinearRoles:
+    q: str
+    k: str
+    v: str
+    g: str
+    scale: str | None
+    output: str
+    batch: str
+    time: str
+    head: str
+    kdim: str
+    vdim: str
+    S: str
+    beta: None = None  # the shared validation forms ask every recurrence for these
+    alpha: None = None
+
+
+@dataclass(frozen=True)
+class LinearScanPlan:
+    roles: LinearRoles
+    origins: dict[str, str] = field(compare=False)
+    config: LinearScanConfig = field(default_factory=LinearScanConfig)
+    family = "recurrence"
+
+    @property
+    def output(self) -> str:
+        return self.roles.output
+
+    def describe(self) -> list[str]:
+        r = self.roles
+        return [
+            "kernel family: gated linear attention (a gated outer-product scan read by the queries)",
+            f"  roles: queries {r.q}, keys {r.k}, values {r.v}, log gate {r.g} (one per token and head), scale "
+            f"{r.scale or '1'}{f' times {self.config.output_factor:g}' if self.config.output_factor != 1 else ''}; "
+            f"scan over '{r.time}', per ({r.batch}, {r.head})",
+            f"  state: {r.S}[{r.vdim} {r.kdim}] = sum_s exp(G_t - G_s) v_s k_s^T  ({self.origins['S']}); "
+            f"o_t = scale S_t q_t  ({self.origins['output']})",
+            "chunked form (chunk C; G = cumulative log gate inside a chunk, Gc its total; D[t, s] = exp(G_t - G_s) "
+            "for s <= t; S_c = the state a chunk starts from, [key, value]):",
+            "  states (sequential over chunks): S_(c+1) = exp(Gc) S_c + (k o exp(Gc - G))^T v",
+            "  output (parallel over chunks): o = scale ((q o exp(G)) S_c + ((q k^T) o D) v)",
+            "backward (dS_c: gradient of the state after chunk c):",
+            "  dS_(c-1) = exp(Gc) dS_c + scale (q o exp(G))^T do   (the state scan, reversed)",
+            "  dq = scale (exp(G) o do S_c^T + ((do v^T) o D) k);  dk = exp(Gc - G) o v dS_c^T + scale ((do v^T) o "
+            "D)^T q;  dv = scale ((q k^T) o D)^T do + exp(Gc - G) o k dS_c",
+            "  dg = reverse cumsum over the sequence of (q . dq - k . dk), plus <S_T, dS_T> (final state)",
+            "kernels: forward 2 launches (state scan; output), backward 3 (state scan; reverse scan; gradients) and "
+            "the gate's reverse cumsum; decoding (`recurrent`) 1; static in ncd/families/recurrence/kernel_linear.py",
+            *self.config.describe(),
+        ]
+
+    def render(self, program: ir.Program, op_id: str) -> str:
+        from ncd.families.recurrence.render import render_linear_module
+
+        return render_linear_module(program, self, op_id)
+
+    def validation_sizes(self, program: ir.Program) -> dict[str, int]:
+        r = self.roles
+        sizes = {r.batch: 2, r.time: 37, r.head: 2}
+        for axis in (r.kdim, r.vdim):
+            sizes[axis] = program.axis(axis).fixed or 24
+        return sizes
+
+    def constant_inputs(self) -> frozenset[str]:
+        return frozenset()
+
+    def condition_inputs(self, program: ir.Program, inputs: dict, generator: object = None) -> dict:
+        """Log gates <= 0 (the layers' logsigmoid); q, k, v as drawn."""
+        import torch
+
+        g = self.roles.g
+        return {**inputs, g: torch.nn.functional.logsigmoid(inputs[g].float() + 3.0).to(inputs[g].dtype)}
+
+    # 16-bit inputs: the products round the weighted operands and the chunk states to the inputs' type
+    output_tolerance: ClassVar[dict[str, float]] = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+    gradient_tolerance: ClassVar[dict[str, float]] = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
+
+
+def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str | None, output_factor: float,
+                     state: ir.Load, reader: ir.Load) -> LinearScanPlan:
+    from ncd.families.recurrence.plan import _fail
+
+    program = rec.program
+    s_name = state.tensor
+    scan = rec.lets[s_name].value
+    assert isinstance(scan, ir.Scan)
+    q_name = rec.input_of(reader, "the state's reader (the queries)")
+    kdim = value.over[0]
+    g_name, left, right = rec.gated_outer(scan, s_name)
+    g_axes = program.tensor(g_name).axes
+    q_axes = program.tensor(q_name).axes
+    if len(q_axes) != 4 or q_axes[3] != kdim:
+        raise _fail(program.tensor(q_name).span, f"declare {q_name} as [batch time head {kdim}] (fla's layout)")
+    token_axes = q_axes[:3]
+    if scan.over not in token_axes:
+        raise _fail(scan, f"the scan runs over '{scan.over}', which {q_name} does not carry")
+    if q_axes[1] != scan.over:
+        layout = " ".join(q_axes)
+        raise _fail(program.tensor(q_name).span, f"{q_name} is declared [{layout}], but the recurrence family takes "
+                    f"fla's layout [batch time head dim], the scanned axis '{scan.over}' second")
+    if len(g_axes) == 4 and g_axes[:3] == token_axes:
+        raise _fail(program.tensor(g_name).span, f"{g_name} gates every key dimension ([{' '.join(g_axes)}]: GLA's "
+                    "per-key gate); the recurrence family compiles a scalar gate per token and head so far",
+                    hint=f"declare {g_name}[{' '.join(token_axes)}] (simple GLA), or let the generic family "
+                    "compile this spec")
+    keys = [f for f in (left, right) if f.axes and f.axes[-1] == kdim]
+    if len(keys) != 1:
+        raise _fail(scan.body, f"expected {s_name}'s update to be an outer product of the values and the keys "
+                    f"over '{kdim}' (the axis {q_name} contracts)")
+    key = keys[0]
+    val = right if key is left else left
+    k_name = rec.input_of(key, "the keys")
+    v_name = rec.input_of(val, "the values")
+    batch, time, head = token_axes
+    vdim = program.tensor(v_name).axes[-1]
+    for name, axes in ((k_name, (batch, time, head, kdim)), (v_name, (batch, time, head, vdim)),
+                       (g_name, (batch, time, head)), (out, (batch, time, head, vdim))):
+        if program.tensor(name).axes != axes:
+            raise _fail(program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (fla layout)")
+    roles_by_name: dict[str, str] = {}
+    named: list[tuple[str, str | None]] = [("queries", q_name), ("keys", k_name), ("values", v_name),
+                                           ("log gate", g_name), ("scale", scale)]
+    for role, given in named:
+        if given is not None and roles_by_name.setdefault(given, role) != role:
+            raise _fail(program.tensor(given).span, f"{given} serves as both the {roles_by_name[given]} and the "
+                        f"{role} of the recurrence; each role needs an input of its own")
+    for t in program.inputs:
+        if t.name not in roles_by_name:
+            raise _fail(t.span, f"{t.name} has no role in the gated linear attention (queries, keys, values, log "
+                        "gate, scale): the family would ignore it")
+    if program.params:
+        raise _fail(program.params[0].span, f"the recurrence family takes no parameters; {program.params[0].name} "
+                    "would be ignored")
+    rec.claimed = [s_name]
+    rec.check_addressing(out, token_axes, {s_name: {(batch, time, head, vdim), (batch, time, head, kdim)}})
+    rec.check_state_axes(s_name, scan, token_axes, {vdim, kdim})
+    roles = LinearRoles(q=q_name, k=k_name, v=v_name, g=g_name, scale=scale, output=out, batch=batch, time=time,
+                        head=head, kdim=kdim, vdim=vdim, S=s_name)
+    origins = {"S": rec.origin(s_name), "output": rec.origin(out),
+               "scale": f"{rec.file}:{program.tensor(scale).span.line}" if scale else rec.origin(out)}
+    return LinearScanPlan(roles=roles, origins=origins, config=LinearScanConfig(output_factor=output_factor))
