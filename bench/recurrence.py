@@ -20,7 +20,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 import ncd
 from ncd.families.recurrence.reference import naive_simple_gla
@@ -32,6 +32,11 @@ FLA_BACKWARD = False  # set by main: whether fla's gated backward runs here (it 
 
 def ms(fn, rep=100):
     return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+
+
+def graph_ms(fn):
+    fn()  # compile and tune outside the graph
+    return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
 
 
 def draw(b, t, h, dtype, seed):
@@ -141,11 +146,15 @@ def main() -> int:
         b, heads = 32, 16
         q, k, v, g = draw(b, 1, heads, torch.bfloat16, seed=5)
         state = torch.randn(b, heads, D, D, device="cuda")
-        row = {"decode B": b, "H": heads, "ncd": ms(lambda: module.recurrent(q, k, v, g, initial_state=state))}
-        if fla is not None:
-            row["fla"] = ms(lambda: fla[1](q, k, v, g, initial_state=state, output_final_state=True))
         copy_out = torch.empty_like(state)
-        row["copy"] = ms(lambda: copy_out.copy_(state))
+        with torch.no_grad():  # device time (CUDA graphs: no host time), and the host-inclusive call time
+            row = {"decode B": b, "H": heads,
+                   "ncd": graph_ms(lambda: module.recurrent(q, k, v, g, initial_state=state)),
+                   "ncd call": ms(lambda: module.recurrent(q, k, v, g, initial_state=state)),
+                   "copy": graph_ms(lambda: copy_out.copy_(state))}
+            if fla is not None:
+                row["fla"] = graph_ms(lambda: fla[1](q, k, v, g, initial_state=state, output_final_state=True))
+                row["fla call"] = ms(lambda: fla[1](q, k, v, g, initial_state=state, output_final_state=True))
         row["state MB"] = state.numel() * 4 / 1e6
         rows.append(row)
         print(row)
@@ -159,10 +168,11 @@ def main() -> int:
                   f"{fla_fwd / row['ncd fwd']:.2f}x | {row['ncd f+b']:.3f} | {fla_fb:.3f} | "
                   f"{fla_fb / row['ncd f+b']:.2f}x |")
         else:
-            gbs = 2 * row["state MB"] / row["ncd"] / 1e3
-            print(f"decode B32 H16 1 token: ncd {row['ncd'] * 1e3:.1f} us ({gbs:.0f} GB/s; a copy of the same bytes "
-                  f"{row['copy'] * 1e3:.1f} us: {row['copy'] / row['ncd']:.0%}), fla fused_recurrent "
-                  f"{row.get('fla', float('nan')) * 1e3:.1f} us")
+            gbs = 2 * row["state MB"] / row["ncd"]  # MB / ms = GB/s
+            print(f"decode B32 H16 1 token, device time: ncd {row['ncd'] * 1e3:.1f} us ({gbs:.0f} GB/s; a copy of "
+                  f"the same bytes {row['copy'] * 1e3:.1f} us: {row['copy'] / row['ncd']:.0%} of it), fla "
+                  f"fused_recurrent {row.get('fla', nan) * 1e3:.1f} us; per call with host time: ncd "
+                  f"{row['ncd call'] * 1e3:.1f} us, fla {row.get('fla call', nan) * 1e3:.1f} us")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "recurrence.json"), "w") as f:
             json.dump({"rows": rows, "failures": failures}, f, indent=1)
