@@ -143,12 +143,16 @@ def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, o_ptr, chunk_start_ptr, chun
     s0 = tl.load(states_ptr + (c * H + h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
                  mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
     scores = _causal(_dot(q, kt, PREC) * _decay_mask(gc, BT), BT)
-    # a non-finite value reaches its own and later rows only: zeroed in the product, NaN from its row on
-    bad = (v - v) != 0
-    reached = tl.cumsum(bad.to(tl.int32), 0) > 0
     o = _dot((q.to(tl.float32) * tl.exp(gc)[:, None]).to(q.dtype), s0.to(q.dtype), PREC)
-    o = _dot(scores.to(v.dtype), tl.where(bad, 0.0, v).to(v.dtype), PREC, o) * scale
-    o = tl.where(reached, float("nan"), o)
+    bad = (v - v) != 0  # NaN or infinite
+    if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
+        # a non-finite value reaches its own and later rows only (0 * NaN would reach the earlier ones): it is
+        # zeroed in the product and its column is NaN from its row on
+        o = _dot(scores.to(v.dtype), tl.where(bad, 0.0, v).to(v.dtype), PREC, o) * scale
+        reached = tl.dot(_causal(tl.full((BT, BT), 1.0, tl.float16), BT).to(tl.float16), bad.to(tl.float16))
+        o = tl.where(reached > 0, float("nan"), o)
+    else:
+        o = _dot(scores.to(v.dtype), v, PREC, o) * scale
     tl.store(o_ptr + rows[:, None] * (H * V) + h * V + cv[None, :], o.to(o_ptr.dtype.element_ty),
              mask=valid[:, None] & (cv[None, :] < V))
 
