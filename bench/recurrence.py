@@ -60,7 +60,7 @@ def gradients(fn, inputs, do, dfinal):
     return [o, final, *grads]
 
 
-def check(module, fla, failures):
+def check(module, fla, failures, input_backward):
     names = ["o", "S_T", "dq", "dk", "dv", "dg", "dS_0"]
     for dtype, limit in ((torch.float32, 1e-4), (torch.bfloat16, 5e-3)):
         q, k, v, g = draw(2, 300, 2, dtype, seed=1)
@@ -77,6 +77,11 @@ def check(module, fla, failures):
         verdict = f"FAIL {bad}" if bad else "OK"
         print(f"  ncd vs fp64 recurrence ({str(dtype)[6:]}): {line} (limit {limit:g}) {verdict}")
         failures += [f"{dtype} {n}" for n in bad]
+        if dtype == torch.bfloat16:  # the backward with the inputs' 16-bit products (grad_precision="input")
+            fast = gradients(lambda *t: input_backward.chunk(*t[:4], initial_state=t[4], output_final_state=True),
+                             (q, k, v, g, s0), do, dfin)
+            print("  ncd, bf16 backward products, vs fp64: " + ", ".join(
+                f"{n} {rms(a, b):.1e}" for n, a, b in zip(names, fast, ref, strict=True)))
         if fla is not None:
             theirs = fla[0](q, k, v, g, initial_state=s0, output_final_state=True)
             print(f"  fla vs fp64 recurrence ({str(dtype)[6:]}): " + ", ".join(
@@ -103,7 +108,8 @@ def main() -> int:
     parser.add_argument("--hs", default="8,16")
     parser.add_argument("--check-only", action="store_true")
     args = parser.parse_args()
-    module = ncd.load(shipped_spec("simple_gla")).module
+    op = ncd.load(shipped_spec("simple_gla"))
+    module, input_backward = op.module, op.with_config(grad_precision="input").module
     try:
         from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
         fla = (chunk_simple_gla, fused_recurrent_simple_gla)
@@ -120,7 +126,7 @@ def main() -> int:
         except RuntimeError as error:
             print(f"fla's backward does not run here: {str(error)[:160]}")
     failures: list[str] = []
-    check(module, fla, failures)
+    check(module, fla, failures, input_backward)
     rows = []
     if not args.check_only:
         for heads in map(int, args.hs.split(",")):
@@ -136,6 +142,7 @@ def main() -> int:
 
                 row["ncd fwd"] = ms(lambda: module.chunk(q, k, v, g))  # noqa: B023
                 row["ncd f+b"] = ms(lambda: fwdbwd(module.chunk))
+                row["ncd f+b bf16 bwd"] = ms(lambda: fwdbwd(input_backward.chunk))
                 if fla is not None:
                     row["fla fwd"] = ms(lambda: fla[0](q, k, v, g))  # noqa: B023
                 if FLA_BACKWARD:
@@ -158,14 +165,15 @@ def main() -> int:
         row["state MB"] = state.numel() * 4 / 1e6
         rows.append(row)
         print(row)
-    print("\n| shape | ncd fwd | fla fwd | fwd ratio | ncd f+b | fla f+b | f+b ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| shape | ncd fwd | fla fwd | fwd ratio | ncd f+b | ncd f+b, bf16 bwd | fla f+b | f+b ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     nan = float("nan")
     for row in rows:
         if "T" in row:
             fla_fwd, fla_fb = row.get("fla fwd", nan), row.get("fla f+b", nan)
             print(f"| B4 T{row['T']} H{row['H']} | {row['ncd fwd']:.3f} | {fla_fwd:.3f} | "
-                  f"{fla_fwd / row['ncd fwd']:.2f}x | {row['ncd f+b']:.3f} | {fla_fb:.3f} | "
+                  f"{fla_fwd / row['ncd fwd']:.2f}x | {row['ncd f+b']:.3f} | {row['ncd f+b bf16 bwd']:.3f} | "
+                  f"{fla_fb:.3f} | "
                   f"{fla_fb / row['ncd f+b']:.2f}x |")
         else:
             gbs = 2 * row["state MB"] / row["ncd"]  # MB / ms = GB/s

@@ -74,6 +74,9 @@ class LinearScanConfig:
     output_factor: float = 1.0  # the output's constant factors beside the scale input
     # Operand precision for fp32 inputs (16-bit inputs multiply their own type): None is tf32x3
     dot_precision: str | None = None
+    # The backward's products for 16-bit inputs: "tf32" (fp32 states, TF32 operands: the gate gradient within
+    # 5e-3 of the float64 recurrence) or "input" (the inputs' type, as the forward's)
+    grad_precision: str = "tf32"
     scan_tiles: tuple[int, int, int] = (64, 64, 4)  # state tile (keys, values) and warps of one scan program
     poison_outputs: bool = False  # fill every output buffer with NaN before the kernels write it (tests)
 
@@ -82,10 +85,13 @@ class LinearScanConfig:
             raise ValueError(f"dot_precision must be None, tf32, tf32x3 or ieee, not {self.dot_precision!r}")
         if self.chunk not in (16, 32, 64, 128):
             raise ValueError(f"chunk must be 16, 32, 64 or 128, not {self.chunk}")
+        if self.grad_precision not in ("tf32", "input"):
+            raise ValueError(f"grad_precision must be tf32 or input, not {self.grad_precision!r}")
 
     def describe(self) -> list[str]:
         return [
             "config:",
             f"  chunk {self.chunk}, output factor {self.output_factor:g}; products: the inputs' 16-bit type, fp32 "
-            f"inputs {self.dot_precision or 'tf32x3'}; scan tile (keys, values, warps) {self.scan_tiles}",
+            f"inputs {self.dot_precision or 'tf32x3'}; backward for 16-bit inputs {self.grad_precision}; scan tile "
+            f"(keys, values, warps) {self.scan_tiles}",
         ]

@@ -50,10 +50,17 @@ MAX_HEAD_DIM = 256  # the per-chunk kernels hold a chunk's full key rows
 G_FLOOR: tl.constexpr = tl.constexpr(-200.0)  # runtime.G_FLOOR: exp(g) is 0 in fp32 below about -104
 
 
-def _configs(bvs: tuple[int, ...]) -> list:
+def _configs(options: tuple[tuple[int, int, int], ...]) -> list:
+    """Autotune sets of (values per block, warps, stages); one config on the interpreter."""
     if _INTERPRET:
         return [triton.Config({"BV": 32}, num_warps=4)]
-    return [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in bvs for w in (4, 8) for s in (1, 2, 3)]
+    return [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv, w, s in options]
+
+
+# the winners of an 18- and a 12-config sweep (BV 32-128, 4-8 warps, 1-3 stages) over B 4, T 2k-16k, H 8-16, D
+# 128 and small calls, bf16 and fp32, and their neighbours (H100, bench/log/2026-11-26-issue33.md)
+_OUTPUT_CONFIGS = ((32, 4, 2), (32, 4, 3), (64, 4, 2), (128, 4, 1), (128, 4, 2), (128, 8, 1))
+_GRADS_CONFIGS = ((64, 8, 1), (64, 8, 3), (64, 4, 2), (32, 4, 2))
 
 
 _KEY = ["K", "V", "BT", "PREC", "WORK"]
@@ -98,7 +105,7 @@ def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, seq_first
         lt = _load_cols(left_ptr + h * K, rows, valid, H * K, rk, K)
         rgt = _load_rows_raw(right_ptr + h * V, rows, valid, H * V, 0, rv, V)
         w = weight * tl.exp(gc) if REVERSE else tl.exp(gtot - gc)
-        state = _dot((lt.to(tl.float32) * w[None, :]).to(lt.dtype), rgt, PREC, state * tl.exp(gtot))
+        state = _dot(_operand(lt.to(tl.float32) * w[None, :], lt, PREC), rgt, PREC, state * tl.exp(gtot))
     if STORE_FINAL:
         tl.store(final_ptr + nh.to(tl.int64) * K * V + tile, state, mask=tile_mask)
 
@@ -128,7 +135,7 @@ def _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT: tl.constexpr):
     return rows, rows < tl.load(chunk_end_ptr + c)
 
 
-@autotune(name="linear_scan", configs=_configs((32, 64, 128)), key=_KEY)
+@autotune(name="linear_scan", configs=_configs(_OUTPUT_CONFIGS), key=_KEY)
 @triton.jit
 def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, o_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, K, V, WORK,
             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
@@ -157,7 +164,7 @@ def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, o_ptr, chunk_start_ptr, chun
              mask=valid[:, None] & (cv[None, :] < V))
 
 
-@autotune(name="linear_scan", configs=_configs((32, 64)), key=_KEY)
+@autotune(name="linear_scan", configs=_configs(_GRADS_CONFIGS), key=_KEY)
 @triton.jit
 def _grads(q_ptr, k_ptr, v_ptr, g_ptr, do_ptr, states_ptr, dstates_ptr, dq_ptr, dk_ptr, dv_ptr, dgt_ptr,
            chunk_start_ptr, chunk_end_ptr, scale, H, K, V, WORK, BT: tl.constexpr, BK: tl.constexpr,
@@ -183,16 +190,16 @@ def _grads(q_ptr, k_ptr, v_ptr, g_ptr, do_ptr, states_ptr, dstates_ptr, dq_ptr, 
         tile = ck[:, None] * V + cv[None, :]
         do = _load_rows_raw(do_ptr + h * V, rows, valid, H * V, 0, cv, V)
         v = _load_rows_raw(v_ptr + h * V, rows, valid, H * V, 0, cv, V)
-        s0 = tl.load(states_ptr + part + tile, mask=tile_mask, other=0.0).to(q.dtype)
-        ds = tl.load(dstates_ptr + part + tile, mask=tile_mask, other=0.0).to(q.dtype)
+        s0 = _operand(tl.load(states_ptr + part + tile, mask=tile_mask, other=0.0), q, PREC)
+        ds = _operand(tl.load(dstates_ptr + part + tile, mask=tile_mask, other=0.0), q, PREC)
         dq = _dot(do, tl.trans(s0), PREC, dq)
         dk = _dot(v, tl.trans(ds), PREC, dk)
         dp = _dot(do, tl.trans(v), PREC, dp)
         dv = _dot(k, ds, PREC) * to_end[:, None]
-        dv = _dot(scores_t.to(do.dtype), do, PREC, dv)
+        dv = _dot(_operand(scores_t, q, PREC), do, PREC, dv)
         tl.store(dv_ptr + rows[:, None] * (H * V) + h * V + cv[None, :], dv.to(dv_ptr.dtype.element_ty),
                  mask=valid[:, None] & (cv[None, :] < V))
-    dp = (_causal(dp * decay, BT) * scale).to(q.dtype)
+    dp = _operand(_causal(dp * decay, BT) * scale, q, PREC)
     dq = _dot(dp, k, PREC, dq * (scale * tl.exp(gc))[:, None])
     dk = _dot(tl.trans(dp), q, PREC, dk * to_end[:, None])
     dgt = tl.sum(q.to(tl.float32) * dq, 1) - tl.sum(k.to(tl.float32) * dk, 1)
@@ -201,6 +208,15 @@ def _grads(q_ptr, k_ptr, v_ptr, g_ptr, do_ptr, states_ptr, dstates_ptr, dq_ptr, 
     tl.store(dq_ptr + at, dq.to(dq_ptr.dtype.element_ty), mask=mask)
     tl.store(dk_ptr + at, dk.to(dk_ptr.dtype.element_ty), mask=mask)
     tl.store(dgt_ptr + rows * H + h, dgt, mask=valid)
+
+
+@triton.jit
+def _operand(x, like, PREC: tl.constexpr):
+    """A computed product operand: rounded to the inputs' 16-bit type for 16-bit products, else kept fp32."""
+    if PREC == "bf16" or PREC == "fp16":
+        return x.to(like.dtype)
+    else:
+        return x
 
 
 @triton.jit
@@ -234,9 +250,16 @@ def _step(q_ptr, k_ptr, v_ptr, g_ptr, init_ptr, o_ptr, final_ptr, scale, T, H, K
 # --- launchers ---------------------------------------------------------------------------------------------
 
 
-def _state_dtype(q: torch.Tensor) -> torch.dtype:
-    """Chunk states in the inputs' 16-bit dtype (the products round them to it anyway), else fp32."""
-    return q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float32
+def _state_dtype(q: torch.Tensor, prec: str) -> torch.dtype:
+    """Chunk states in the inputs' 16-bit dtype where the products round them to it anyway, else fp32."""
+    return q.dtype if prec in ("bf16", "fp16") else torch.float32
+
+
+def grad_precision(config: Any, dtype: torch.dtype) -> str:
+    """The backward's operand precision: config.grad_precision "tf32" (fp32 states, TF32 products: bf16 inputs'
+    gate gradient 3e-3 from the float64 recurrence, against 4.5e-3 with bf16 products; interpreter, T 300) or
+    "input" (the forward's)."""
+    return precision(config, dtype) if config.grad_precision == "input" or dtype == torch.float32 else "tf32"
 
 
 def _head_dims(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
@@ -246,17 +269,17 @@ def _head_dims(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
     return K, V, max(16, _pow2(K))
 
 
-def _run_scan(config, left, right, g, init, table, chunk, weight, reverse, final, dtype):
+def _run_scan(config, left, right, g, init, table, chunk, weight, reverse, final, prec):
     first, start, end, n_seq, n_chunks, _ = table
     heads, K, V = left.shape[2], left.shape[3], right.shape[3]
     bk, bv, warps = config.scan_tiles
     bk, bv = min(bk, max(16, _pow2(K))), min(bv, max(16, _pow2(V)))
-    states = _empty((n_chunks, heads, K, V), dtype, left.device, config.poison_outputs)
+    states = _empty((n_chunks, heads, K, V), _state_dtype(left, prec), left.device, config.poison_outputs)
     out = _empty((n_seq, heads, K, V), torch.float32, left.device, config.poison_outputs) if final else states
     grid = (triton.cdiv(K, bk) * triton.cdiv(V, bv), n_seq * heads)
     _fast(_scan)[grid](left, right, g, init if init is not None else states, states, out, first, start, end,
                        float(weight), heads, K, V, REVERSE=reverse, HAS_INIT=init is not None, STORE_FINAL=final,
-                       BT=chunk, BK=bk, BV=bv, PREC=precision(config, left.dtype), num_warps=warps)
+                       BT=chunk, BK=bk, BV=bv, PREC=prec, num_warps=warps)
     return states, (out if final else None)
 
 
@@ -264,12 +287,13 @@ def forward(config, q, k, v, g, s_init, cu_seqlens, scale, chunk, final):
     B, T, heads, _ = q.shape
     K, V, bk = _head_dims(q, v)
     table = chunk_table(B, T, cu_seqlens, chunk, q.device)
-    states, s_fin = _run_scan(config, k, v, g, s_init, table, chunk, 1.0, False, final, _state_dtype(q))
+    prec = precision(config, q.dtype)
+    states, s_fin = _run_scan(config, k, v, g, s_init, table, chunk, 1.0, False, final, prec)
     o = _empty(v.shape, v.dtype, v.device, config.poison_outputs)
     n_chunks = table[4]
     _fast(_output)[lambda meta: (triton.cdiv(V, meta["BV"]), n_chunks, heads)](
         q, k, v, g, states, o, table[1], table[2], float(scale), heads, K, V, _work(n_chunks, heads), BT=chunk,
-        BK=bk, PREC=precision(config, q.dtype))
+        BK=bk, PREC=prec)
     return o, s_fin
 
 
@@ -278,17 +302,17 @@ def backward(config, do, ds_fin, q, k, v, g, s_init, cu_seqlens, scale, chunk):
     B, T, heads, _ = q.shape
     K, V, bk = _head_dims(q, v)
     table = chunk_table(B, T, cu_seqlens, chunk, q.device)
-    dtype = _state_dtype(q)
+    prec = grad_precision(config, q.dtype)
     do = do.contiguous()
-    states, s_fin = _run_scan(config, k, v, g, s_init, table, chunk, 1.0, False, ds_fin is not None, dtype)
-    dstates, ds_init = _run_scan(config, q, do, g, ds_fin, table, chunk, scale, True, s_init is not None, dtype)
+    states, s_fin = _run_scan(config, k, v, g, s_init, table, chunk, 1.0, False, ds_fin is not None, prec)
+    dstates, ds_init = _run_scan(config, q, do, g, ds_fin, table, chunk, scale, True, s_init is not None, prec)
     poison, n_chunks = config.poison_outputs, table[4]
     dq, dk = (_empty(t.shape, t.dtype, t.device, poison) for t in (q, k))
     dv = _empty(v.shape, v.dtype, v.device, poison)
     dgt = _empty(g.shape, torch.float32, g.device, poison)
     _fast(_grads)[(n_chunks, heads)](q, k, v, g, do, states, dstates, dq, dk, dv, dgt, table[1], table[2],
                                      float(scale), heads, K, V, _work(n_chunks, heads), BT=chunk, BK=bk,
-                                     PREC=precision(config, q.dtype))
+                                     PREC=prec)
     if ds_fin is not None:  # the final state reads every gate of its sequence: <S_T, dS_T> at its last token
         ends = torch.tensor(table[5][1:], device=g.device) - 1
         flat = dgt.view(-1, heads)
