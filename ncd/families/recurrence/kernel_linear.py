@@ -76,14 +76,15 @@ def precision(config: Any, dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, seq_first_ptr, chunk_start_ptr,
+def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, flags_ptr, seq_first_ptr, chunk_start_ptr,
           chunk_end_ptr, weight, H, K, V, REVERSE: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """One [BK, BV] tile of the chunk-boundary states of one sequence and head, sequential over its chunks: each
     chunk's incoming state is stored, then `state = exp(Gc) state + (left o w)^T right`. Forward: left k, right v,
     w = exp(Gc - G), chunks in order, the states the chunks start from. REVERSE (backward): left q, right do,
     w = weight exp(G), last chunk first, starting from dS_N: the gradients of the states the chunks end in; the
-    last carry is the initial state's gradient."""
+    last carry is the initial state's gradient. The forward also flags each chunk's non-finite values, per tile
+    (flags [chunks, H, tiles]), so that the output kernel takes its exact path only where they are."""
     i_tile, nh = tl.program_id(0), tl.program_id(1)
     n, h = nh // H, nh % H
     n_v = tl.cdiv(V, BV)
@@ -104,6 +105,9 @@ def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, seq_first
         gc, gtot = _gates(g_ptr + h, rows, valid, H)
         lt = _load_cols(left_ptr + h * K, rows, valid, H * K, rk, K)
         rgt = _load_rows_raw(right_ptr + h * V, rows, valid, H * V, 0, rv, V)
+        if not REVERSE:
+            bad = tl.max(tl.max(((rgt - rgt) != 0).to(tl.int32), 1), 0)
+            tl.store(flags_ptr + (c * H + h) * (tl.cdiv(K, BK) * n_v) + i_tile, bad)
         w = weight * tl.exp(gc) if REVERSE else tl.exp(gtot - gc)
         state = _dot(_operand(lt.to(tl.float32) * w[None, :], lt, PREC), rgt, PREC, state * tl.exp(gtot))
     if STORE_FINAL:
@@ -137,29 +141,40 @@ def _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT: tl.constexpr):
 
 @autotune(name="linear_scan", configs=_configs(_OUTPUT_CONFIGS), key=_KEY)
 @triton.jit
-def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, o_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, K, V, WORK,
-            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """o for one chunk, head and [BV] block of values: scale ((q o exp(G)) S_c + ((q k^T) o D) v)."""
+def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, flags_ptr, o_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, K,
+            V, WORK, N_FLAGS, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+            FLAGS: tl.constexpr):
+    """o for one chunk, head and [BV] block of values: scale (exp(G) o (q S_c) + ((q k^T) o D) v), the keys in
+    [BK] blocks (fewer registers than whole rows: H100, T 16k, H 16: 697 -> ... us)."""
     i_v, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
     gc, _ = _gates(g_ptr + h, rows, valid, H)
-    ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
-    kt = _load_cols(k_ptr + h * K, rows, valid, H * K, ck, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    part = (c * H + h).to(tl.int64) * K * V
+    o = tl.zeros((BT, BV), tl.float32)
+    scores = tl.zeros((BT, BT), tl.float32)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
+        kt = _load_cols(k_ptr + h * K, rows, valid, H * K, ck, K)
+        s0 = tl.load(states_ptr + part + ck[:, None] * V + cv[None, :], mask=(ck[:, None] < K) & (cv[None, :] < V),
+                     other=0.0)
+        o = _dot(q, s0.to(q.dtype), PREC, o)
+        scores = _dot(q, kt, PREC, scores)
+    o = o * tl.exp(gc)[:, None]
     v = _load_rows_raw(v_ptr + h * V, rows, valid, H * V, 0, cv, V)
-    s0 = tl.load(states_ptr + (c * H + h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
-                 mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
-    scores = _causal(_dot(q, kt, PREC) * _decay_mask(gc, BT), BT)
-    o = _dot((q.to(tl.float32) * tl.exp(gc)[:, None]).to(q.dtype), s0.to(q.dtype), PREC)
-    bad = (v - v) != 0  # NaN or infinite
-    if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
+    scores = _causal(scores * _decay_mask(gc, BT), BT).to(v.dtype)
+    flagged = tl.load(flags_ptr + (c * H + h) * N_FLAGS + tl.arange(0, FLAGS), mask=tl.arange(0, FLAGS) < N_FLAGS,
+                      other=0)
+    if tl.max(flagged, 0) > 0:
         # a non-finite value reaches its own and later rows only (0 * NaN would reach the earlier ones): it is
         # zeroed in the product and its column is NaN from its row on
-        o = _dot(scores.to(v.dtype), tl.where(bad, 0.0, v).to(v.dtype), PREC, o) * scale
+        bad = (v - v) != 0
+        o = _dot(scores, tl.where(bad, 0.0, v).to(v.dtype), PREC, o) * scale
         reached = tl.dot(_causal(tl.full((BT, BT), 1.0, tl.float16), BT).to(tl.float16), bad.to(tl.float16))
         o = tl.where(reached > 0, float("nan"), o)
     else:
-        o = _dot(scores.to(v.dtype), v, PREC, o) * scale
+        o = _dot(scores, v, PREC, o) * scale
     tl.store(o_ptr + rows[:, None] * (H * V) + h * V + cv[None, :], o.to(o_ptr.dtype.element_ty),
              mask=valid[:, None] & (cv[None, :] < V))
 
@@ -277,10 +292,12 @@ def _run_scan(config, left, right, g, init, table, chunk, weight, reverse, final
     states = _empty((n_chunks, heads, K, V), _state_dtype(left, prec), left.device, config.poison_outputs)
     out = _empty((n_seq, heads, K, V), torch.float32, left.device, config.poison_outputs) if final else states
     grid = (triton.cdiv(K, bk) * triton.cdiv(V, bv), n_seq * heads)
-    _fast(_scan)[grid](left, right, g, init if init is not None else states, states, out, first, start, end,
+    flags = None if reverse else torch.empty((n_chunks, heads, grid[0]), dtype=torch.int32, device=left.device)
+    _fast(_scan)[grid](left, right, g, init if init is not None else states, states, out,
+                       flags if flags is not None else states, first, start, end,
                        float(weight), heads, K, V, REVERSE=reverse, HAS_INIT=init is not None, STORE_FINAL=final,
                        BT=chunk, BK=bk, BV=bv, PREC=prec, num_warps=warps)
-    return states, (out if final else None)
+    return states, (out if final else None), flags
 
 
 def forward(config, q, k, v, g, s_init, cu_seqlens, scale, chunk, final):
@@ -288,12 +305,12 @@ def forward(config, q, k, v, g, s_init, cu_seqlens, scale, chunk, final):
     K, V, bk = _head_dims(q, v)
     table = chunk_table(B, T, cu_seqlens, chunk, q.device)
     prec = precision(config, q.dtype)
-    states, s_fin = _run_scan(config, k, v, g, s_init, table, chunk, 1.0, False, final, prec)
+    states, s_fin, flags = _run_scan(config, k, v, g, s_init, table, chunk, 1.0, False, final, prec)
     o = _empty(v.shape, v.dtype, v.device, config.poison_outputs)
     n_chunks = table[4]
     _fast(_output)[lambda meta: (triton.cdiv(V, meta["BV"]), n_chunks, heads)](
-        q, k, v, g, states, o, table[1], table[2], float(scale), heads, K, V, _work(n_chunks, heads), BT=chunk,
-        BK=bk, PREC=prec)
+        q, k, v, g, states, flags, o, table[1], table[2], float(scale), heads, K, V, _work(n_chunks, heads),
+        flags.shape[2], BT=chunk, BK=min(bk, 64), PREC=prec, FLAGS=max(2, _pow2(flags.shape[2])))
     return o, s_fin
 
 
@@ -304,8 +321,8 @@ def backward(config, do, ds_fin, q, k, v, g, s_init, cu_seqlens, scale, chunk):
     table = chunk_table(B, T, cu_seqlens, chunk, q.device)
     prec = grad_precision(config, q.dtype)
     do = do.contiguous()
-    states, s_fin = _run_scan(config, k, v, g, s_init, table, chunk, 1.0, False, ds_fin is not None, prec)
-    dstates, ds_init = _run_scan(config, q, do, g, ds_fin, table, chunk, scale, True, s_init is not None, prec)
+    states, s_fin, _ = _run_scan(config, k, v, g, s_init, table, chunk, 1.0, False, ds_fin is not None, prec)
+    dstates, ds_init, _ = _run_scan(config, q, do, g, ds_fin, table, chunk, scale, True, s_init is not None, prec)
     poison, n_chunks = config.poison_outputs, table[4]
     dq, dk = (_empty(t.shape, t.dtype, t.device, poison) for t in (q, k))
     dv = _empty(v.shape, v.dtype, v.device, poison)
