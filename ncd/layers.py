@@ -5,6 +5,10 @@
 k (eps 1e-6), beta = sigmoid(.) scaling k and v by (beta + 1e-6), alpha = sigmoid(.) for the alpha-connection, a
 Mamba2-style gate g = -exp(A_log) softplus(a + dt_bias) (natural log, <= 0), the core `ncd.ops.chunk_gka`, then an
 RMSNorm gated by silu(g_proj(x)) and the output projection.
+
+`SimpleGatedLinearAttention`: fla's simple GLA layer (fla.layers.simple_gla): q, k, v projections (optional short
+convolutions), a per-head log gate logsigmoid(gk_proj(x)) / gate_logit_normalizer, the core
+`ncd.ops.chunk_simple_gla`, an RMSNorm gated by silu(g_proj(x)) and the output projection.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import CallError
-from .ops import chunk_gka
+from .ops import chunk_gka, chunk_simple_gla
 
 
 class ShortConvolution(nn.Module):
@@ -49,6 +53,13 @@ class GatedRMSNorm(nn.Module):
         return (normed * F.silu(gate.float()) if gate is not None else normed).to(o.dtype)
 
 
+def _check_input(layer: str, x: object, hidden_size: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise CallError(None, detail=f"{layer}: x must be a tensor [batch time hidden], got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != hidden_size:
+        raise CallError(None, detail=f"{layer}: x: expected [batch time {hidden_size}], got {list(x.shape)}")
+
+
 class GatedKalmaNet(nn.Module):
     def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int | None = None,
                  num_iter: int = 30, ridge: float = 0.02, conv_size: int = 4, use_short_conv: bool = True,
@@ -77,12 +88,7 @@ class GatedKalmaNet(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, initial_state=None,
                 output_final_state: bool = False):
         """x [B, T, hidden] -> [B, T, hidden] (and the final state when asked)."""
-        if not isinstance(x, torch.Tensor):
-            raise CallError(None, detail=f"GatedKalmaNet: x must be a tensor [batch time hidden], got "
-                            f"{type(x).__name__}")
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise CallError(None, detail=f"GatedKalmaNet: x: expected [batch time {self.hidden_size}], got "
-                            f"{list(x.shape)}")
+        _check_input("GatedKalmaNet", x, self.hidden_size)
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.convs is not None:
@@ -99,4 +105,43 @@ class GatedKalmaNet(nn.Module):
                              chunk_size=self.chunk_size)
         gate = self.g_proj(x).view(B, T, self.num_heads, self.head_dim) if self.g_proj is not None else None
         out = self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
+        return (out, state) if output_final_state else out
+
+
+class SimpleGatedLinearAttention(nn.Module):
+    def __init__(self, hidden_size: int = 1024, num_heads: int = 4, head_dim: int | None = None,
+                 expand_v: float = 1.0, use_short_conv: bool = False, conv_size: int = 4,
+                 use_output_gate: bool = True, gate_logit_normalizer: float = 16.0, chunk_size: int = 64,
+                 norm_eps: float = 1e-5) -> None:
+        super().__init__()
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.head_k_dim = head_dim or hidden_size // num_heads
+        self.head_v_dim = int(self.head_k_dim * expand_v)
+        self.gate_logit_normalizer, self.chunk_size = gate_logit_normalizer, chunk_size
+        key_dim, value_dim = num_heads * self.head_k_dim, num_heads * self.head_v_dim
+        self.q_proj = nn.Linear(hidden_size, key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, value_dim, bias=False)
+        self.convs = nn.ModuleList([ShortConvolution(d, conv_size) for d in (key_dim, key_dim, value_dim)]) \
+            if use_short_conv else None
+        self.gk_proj = nn.Linear(hidden_size, num_heads, bias=True)
+        self.g_proj = nn.Linear(hidden_size, value_dim, bias=False) if use_output_gate else None
+        self.g_norm = GatedRMSNorm(self.head_v_dim, norm_eps)
+        self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, initial_state=None,
+                output_final_state: bool = False):
+        """x [B, T, hidden] -> [B, T, hidden] (and the final state [N, H, K, V] when asked)."""
+        _check_input("SimpleGatedLinearAttention", x, self.hidden_size)
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.convs is not None:
+            q, k, v = (conv(t, cu_seqlens) for conv, t in zip(self.convs, (q, k, v), strict=True))
+        q, k = (t.view(B, T, self.num_heads, self.head_k_dim) for t in (q, k))
+        v = v.view(B, T, self.num_heads, self.head_v_dim)
+        g = F.logsigmoid(self.gk_proj(x).float()) / self.gate_logit_normalizer
+        o, state = chunk_simple_gla(q, k, v, g, self.head_k_dim ** -0.5, initial_state, output_final_state,
+                                    cu_seqlens, chunk_size=self.chunk_size)
+        gate = self.g_proj(x).view(B, T, self.num_heads, self.head_v_dim) if self.g_proj is not None else None
+        out = self.o_proj(self.g_norm(o, gate).reshape(B, T, -1))
         return (out, state) if output_final_state else out

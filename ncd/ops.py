@@ -15,8 +15,8 @@ from .cache import CacheError, import_generated
 from .compiler import Compiled, ConfigError, ConfigOverrides, advance, compile_spec, config_overrides, with_config
 from .family import KernelPlan
 
-__all__ = ["CacheError", "ConfigError", "Op", "chunk_gka", "import_generated", "load", "recurrent_gka",
-           "shipped_spec"]
+__all__ = ["CacheError", "ConfigError", "Op", "chunk_gka", "chunk_simple_gla", "import_generated", "load",
+           "recurrent_gka", "recurrent_simple_gla", "shipped_spec"]
 
 
 class Op:
@@ -77,7 +77,7 @@ def load(path: str | Path, cache_dir: str | Path | None = None, sizes: Mapping[s
 
 # --- shipped ops with library conventions -------------------------------------------------------------------
 
-_GKA_OPS: dict[tuple[int, int, ConfigOverrides], Op] = {}
+_SHIPPED_OPS: dict[tuple[str, int, int, ConfigOverrides], Op] = {}
 
 
 def shipped_spec(name: str) -> Path:
@@ -99,7 +99,7 @@ def chunk_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any = Non
     sequences into B = 1. Returns (o [B, T, H, V], final_state or None). Any head sizes: the spec is compiled
     once per (K, V) with its fixed axes overridden. `config` overrides fields of the recurrence family's config
     (`Op.with_config`, e.g. `{"dot_precision": "ieee"}`): another op, compiled once per (K, V, config)."""
-    return _gka_op("chunk_gka", q, v, config).module.chunk(q, k, v, g, beta, scale, initial_state,
+    return _shipped_op("gka", "chunk_gka", q, v, config).module.chunk(q, k, v, g, beta, scale, initial_state,
                                                             output_final_state, cu_seqlens, alpha=alpha, ridge=ridge,
                                                             num_iter=num_iter, chunk_size=chunk_size)
 
@@ -111,20 +111,43 @@ def recurrent_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any =
     for the few tokens of a decoding step after a prefill by `chunk_gka(..., output_final_state=True)`. Arguments
     as `chunk_gka`'s (one state per batch entry: no cu_seqlens); returns (o, (H, S) after the last token, or
     None). Inference only: an input that requires a gradient is refused."""
-    return _gka_op("recurrent_gka", q, v, config).module.recurrent(q, k, v, g, beta, scale, initial_state,
+    return _shipped_op("gka", "recurrent_gka", q, v, config).module.recurrent(q, k, v, g, beta, scale, initial_state,
                                                                    output_final_state, alpha=alpha, ridge=ridge,
                                                                    num_iter=num_iter)
 
 
-def _gka_op(caller: str, q: Any, v: Any, config: Mapping[str, object] | None) -> Op:
-    """The shipped GKA spec compiled at q's and v's head sizes (once per sizes and config)."""
+def chunk_simple_gla(q: Any, k: Any, v: Any, g: Any, scale: Any = None, initial_state: Any = None,
+                     output_final_state: bool = False, cu_seqlens: Any = None, *, chunk_size: int = 64,
+                     config: Mapping[str, object] | None = None) -> Any:
+    """Gated linear attention with a scalar gate per token and head (simple GLA; RetNet with a constant gate),
+    compiled from `specs/simple_gla.ncd`, in fla's chunk_gla positional order (q, k, v, g, scale, initial_state,
+    output_final_state, cu_seqlens): S_t = exp(g_t) S_(t-1) + k_t v_t^T, o_t = scale S_t^T q_t. q, k [B, T, H,
+    K], v [B, T, H, V], g [B, T, H] natural-log gates (<= 0; -inf resets), scale a number or a one-element tensor
+    (default K^-1/2), initial_state S [N, H, K, V] fp32; returns (o [B, T, H, V], final state or None). Any head
+    sizes up to 256 (compiled once per (K, V, config)); `config` overrides LinearScanConfig fields (e.g.
+    `{"grad_precision": "input"}`: the backward in the inputs' 16-bit products, about 2x faster, less exact)."""
+    return _shipped_op("simple_gla", "chunk_simple_gla", q, v, config).module.chunk(
+        q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size=chunk_size)
+
+
+def recurrent_simple_gla(q: Any, k: Any, v: Any, g: Any, scale: Any = None, initial_state: Any = None,
+                         output_final_state: bool = True, *, config: Mapping[str, object] | None = None) -> Any:
+    """Decoding for `chunk_simple_gla` (fla's fused_recurrent convention): token by token from a state S [B, H,
+    K, V] fp32 (or None), typically one token after a prefill by `chunk_simple_gla(..., output_final_state=
+    True)`. Returns (o, the state after the last token or None). Inference only."""
+    return _shipped_op("simple_gla", "recurrent_simple_gla", q, v, config).module.recurrent(
+        q, k, v, g, scale, initial_state, output_final_state)
+
+
+def _shipped_op(spec: str, caller: str, q: Any, v: Any, config: Mapping[str, object] | None) -> Op:
+    """A shipped recurrence spec compiled at q's and v's head sizes (once per spec, sizes and config)."""
     from .errors import CallError
 
     for name, t in (("q", q), ("v", v)):
         if not hasattr(t, "shape") or len(t.shape) != 4:
             raise CallError(None, detail=f"{caller}: {name} must be a 4-d tensor [batch time head dim], got "
                             f"{type(t).__name__} {list(getattr(t, 'shape', []))}")
-    key = (int(q.shape[-1]), int(v.shape[-1]), config_overrides(config))
-    if key not in _GKA_OPS:
-        _GKA_OPS[key] = load(shipped_spec("gka"), sizes={"kdim": key[0], "vdim": key[1]}, config=config)
-    return _GKA_OPS[key]
+    key = (spec, int(q.shape[-1]), int(v.shape[-1]), config_overrides(config))
+    if key not in _SHIPPED_OPS:
+        _SHIPPED_OPS[key] = load(shipped_spec(spec), sizes={"kdim": key[1], "vdim": key[2]}, config=config)
+    return _SHIPPED_OPS[key]

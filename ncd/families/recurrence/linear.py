@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+import sympy
+
 from ncd import ir
 from ncd.families.recurrence.config import LinearScanConfig
 
@@ -42,6 +44,7 @@ class LinearRoles:
 class LinearScanPlan:
     roles: LinearRoles
     origins: dict[str, str] = field(compare=False)
+    derivation: str = ""  # what derive_chunked_form verified
     config: LinearScanConfig = field(default_factory=LinearScanConfig)
     family = "recurrence"
 
@@ -58,6 +61,7 @@ class LinearScanPlan:
             f"scan over '{r.time}', per ({r.batch}, {r.head})",
             f"  state: {r.S}[{r.vdim} {r.kdim}] = sum_s exp(G_t - G_s) v_s k_s^T  ({self.origins['S']}); "
             f"o_t = scale S_t q_t  ({self.origins['output']})",
+            self.derivation,
             "chunked form (chunk C; G = cumulative log gate inside a chunk, Gc its total; D[t, s] = exp(G_t - G_s) "
             "for s <= t; S_c = the state a chunk starts from, [key, value]):",
             "  states (sequential over chunks): S_(c+1) = exp(Gc) S_c + (k o exp(Gc - G))^T v",
@@ -99,6 +103,53 @@ class LinearScanPlan:
     gradient_tolerance: ClassVar[dict[str, float]] = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 
 
+def derive_chunked_form(scan: ir.Scan, g: str, k: str, v: str, q: str, steps: int = 3) -> str:
+    """The spec's own scan body unrolled over `steps` tokens in sympy (one key and one value dimension) and checked
+    against the kernels' chunked form: the chunk's end state and every output, and the gate-gradient identity
+    dL/dg_u = sum over t >= u of (q_t dL/dq_t - k_t dL/dk_t), plus <S_T, dL/dS_T>. Returns what it verified;
+    raises ValueError where the algebra differs (the recogniser's match would then be wrong)."""
+    from ncd.symbolic import to_sympy
+
+    def token(name: str, t: int) -> sympy.Symbol:
+        return sympy.Symbol(f"{name}{t}", real=True)
+
+    def step(t: int, prev: sympy.Expr) -> sympy.Expr:
+        def leaf(n: ir.Node) -> sympy.Expr | None:
+            if isinstance(n, ir.Prev):
+                return prev
+            return token(n.tensor, t) if isinstance(n, ir.Load) else None
+
+        return to_sympy(scan.body, leaf=leaf)
+
+    gates = [token(g, t) for t in range(steps)]
+    s0, w_end = sympy.Symbol("S0", real=True), sympy.Symbol("W", real=True)
+    states, state = [], s0
+    for t in range(steps):
+        state = step(t, state)
+        states.append(state)
+    cum = [sum(gates[: t + 1]) for t in range(steps)]
+    outputs = [token(q, t) * states[t] for t in range(steps)]
+    chunked = [sympy.exp(cum[t]) * token(q, t) * s0 + sum(
+        sympy.exp(cum[t] - cum[s]) * token(q, t) * token(k, s) * token(v, s) for s in range(t + 1))
+        for t in range(steps)]
+    end = sympy.exp(cum[-1]) * s0 + sum(sympy.exp(cum[-1] - cum[s]) * token(k, s) * token(v, s) for s in range(steps))
+
+    def zero(expr: sympy.Expr) -> bool:
+        return sympy.expand(expr, power_exp=True) == 0
+
+    if not zero(states[-1] - end) or not all(zero(a - b) for a, b in zip(outputs, chunked, strict=True)):
+        raise ValueError("the scan's unrolled recurrence differs from the chunked form")
+    loss = sum(token("w", t) * outputs[t] for t in range(steps)) + w_end * states[-1]
+    for u in range(steps):
+        rhs = sum(token(q, t) * sympy.diff(loss, token(q, t)) - token(k, t) * sympy.diff(loss, token(k, t))
+                  for t in range(u, steps)) + w_end * states[-1]
+        if not zero(sympy.diff(loss, gates[u]) - rhs):
+            raise ValueError("the gate gradient identity does not hold for the scan")
+    return (f"derived (sympy: the spec's scan body unrolled over {steps} tokens, one key and value dimension): the "
+            "chunk's end state and every output equal the chunked form below, and dL/dg_u = sum_(t >= u) "
+            "(q_t dL/dq_t - k_t dL/dk_t) + <S_T, dL/dS_T>")
+
+
 def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str | None, output_factor: float,
                      state: ir.Load, reader: ir.Load) -> LinearScanPlan:
     from ncd.families.recurrence.plan import _fail
@@ -118,9 +169,10 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
     if scan.over not in token_axes:
         raise _fail(scan, f"the scan runs over '{scan.over}', which {q_name} does not carry")
     if q_axes[1] != scan.over:
-        layout = " ".join(q_axes)
-        raise _fail(program.tensor(q_name).span, f"{q_name} is declared [{layout}], but the recurrence family takes "
-                    f"fla's layout [batch time head dim], the scanned axis '{scan.over}' second")
+        head_first = " (head-first)" if q_axes.index(scan.over) == 2 else ""
+        raise _fail(program.tensor(q_name).span, f"{q_name} is declared [{' '.join(q_axes)}]{head_first}, but the "
+                    f"recurrence family takes fla's layout [batch time head dim], the scanned axis '{scan.over}' "
+                    "second")
     if len(g_axes) == 4 and g_axes[:3] == token_axes:
         raise _fail(program.tensor(g_name).span, f"{g_name} gates every key dimension ([{' '.join(g_axes)}]: GLA's "
                     "per-key gate); the recurrence family compiles a scalar gate per token and head so far",
@@ -157,8 +209,13 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
     rec.claimed = [s_name]
     rec.check_addressing(out, token_axes, {s_name: {(batch, time, head, vdim), (batch, time, head, kdim)}})
     rec.check_state_axes(s_name, scan, token_axes, {vdim, kdim})
+    try:
+        derivation = derive_chunked_form(scan, g_name, k_name, v_name, q_name)
+    except ValueError as err:
+        raise _fail(scan, str(err)) from None
     roles = LinearRoles(q=q_name, k=k_name, v=v_name, g=g_name, scale=scale, output=out, batch=batch, time=time,
                         head=head, kdim=kdim, vdim=vdim, S=s_name)
     origins = {"S": rec.origin(s_name), "output": rec.origin(out),
                "scale": f"{rec.file}:{program.tensor(scale).span.line}" if scale else rec.origin(out)}
-    return LinearScanPlan(roles=roles, origins=origins, config=LinearScanConfig(output_factor=output_factor))
+    return LinearScanPlan(roles=roles, origins=origins, derivation=derivation,
+                          config=LinearScanConfig(output_factor=output_factor))
