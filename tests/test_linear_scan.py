@@ -7,6 +7,7 @@ Odd head sizes (K 24, V 20), T spanning 7 chunks of 16; outputs poisoned with Na
 from __future__ import annotations
 
 import copy
+import itertools
 import pickle
 
 import pytest
@@ -88,7 +89,7 @@ def test_packed_sequences_of_uneven_lengths_match_separate_recurrences(gla_op):
 
     def separate(q, k, v, g, s0):
         pieces = [naive_simple_gla(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], initial_state=s0[n:n + 1])
-                  for n, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
+                  for n, (a, b) in enumerate(itertools.pairwise(bounds))]
         return torch.cat([p[0] for p in pieces], 1), torch.cat([p[1] for p in pieces], 0)
 
     ref = with_grads(separate, [x.double() for x in (q, k, v, g, s0)], (do.double(), dfin.double()))

@@ -145,7 +145,9 @@ def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, flags_ptr, o_ptr, chunk_star
             V, WORK, N_FLAGS, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
             FLAGS: tl.constexpr):
     """o for one chunk, head and [BV] block of values: scale (exp(G) o (q S_c) + ((q k^T) o D) v), the keys in
-    [BK] blocks (fewer registers than whole rows: H100, T 16k, H 16: 697 -> ... us)."""
+    [BK] blocks, as fla's kernel does. Non-finite values take a separate path, chosen by the scan's flags: checked
+    here, on the loaded tile, they cost 10% (H100, T 16k, H 16: 771 us against 697 unchecked, whole key rows;
+    640 in blocks with the flags, on another H100 the same day; bench/log/2026-11-26-issue33.md)."""
     i_v, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
     gc, _ = _gates(g_ptr + h, rows, valid, H)
