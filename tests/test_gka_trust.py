@@ -215,12 +215,36 @@ def test_a_scale_input_without_default_is_required(tmp_path):
 
 # --- item 15: layout messages ----------------------------------------------------------------------------------
 
-def test_head_first_layout_is_named_as_such_at_the_declaration(tmp_path):
-    text = BASE.replace("[batch time head", "[batch head time")
-    message = recurrence_refusal(tmp_path, text, "gka_head_first")
-    assert "head-first" in message and "[batch time head dim]" in message, message
-    assert "must run over 'head'" not in message
-    assert "gka_head_first.ncd:16" in message  # q's declaration
+def test_head_first_layout_runs_as_sequences_of_one_head(tmp_path, gka):
+    """[batch head time dim] inputs compile (issue 33 item 2): the op runs them as batch x head sequences of one
+    head, so output, final states and every gradient equal the fla-layout op's on the same data; decoding too.
+    Any other order is refused at the queries' declaration, naming both layouts."""
+    op = load_variant(tmp_path, BASE.replace("[batch time head", "[batch head time"), "gka_head_first")
+    q, k, v, g, b, a = draw(B=2, T=21, H=2, seed=11)
+    inputs = (q, k, v, g, b, a)
+
+    def head_first(t):
+        return t.transpose(1, 2).contiguous()
+
+    def run(module, tensors, layout):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        o, (h, s) = module.chunk(*map(layout, leaves[:5]), alpha=layout(leaves[5]), output_final_state=True,
+                                 chunk_size=16)
+        o = layout(o)
+        grads = torch.autograd.grad((o * o).sum() + h.sum() + s.sum(), leaves)
+        return [o, h, s, *grads]
+
+    same = lambda t: t
+    for ours, want in zip(run(op.module, inputs, head_first), run(gka, inputs, same), strict=True):
+        assert torch.allclose(ours, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        one, state = op.module.recurrent(*(head_first(t[:, :1]) for t in inputs[:5]), alpha=head_first(a[:, :1]))
+        want_one, want_state = gka.recurrent(*(t[:, :1] for t in inputs[:5]), alpha=a[:, :1])
+    assert torch.allclose(one.transpose(1, 2), want_one, atol=1e-6)
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(state, want_state, strict=True))
+    message = recurrence_refusal(tmp_path, BASE.replace("[batch time head", "[time batch head"), "gka_time_first")
+    assert "[batch head time dim]" in message and "[batch time head dim]" in message, message
+    assert "gka_time_first.ncd:16" in message  # q's declaration
 
 
 # --- item 10: required inputs ----------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ def refusal(tmp_path, text, name):
 
 @pytest.mark.parametrize("old, new, message", [
     ("in  g[batch time head] : f32", "in  g[batch time head kdim] : f32", "GLA's per-key gate"),
-    ("[batch time head", "[batch head time", "(head-first)"),
+    ("[batch time head", "[time batch head", "the scanned axis 'time' second or third"),
     ("in  scale : f32 = 1 / sqrt(size(kdim))", "in  scale : f32 = 1 / sqrt(size(kdim))\nin  extra[head] : f32",
      "extra has no role"),
     ("exp(g) * prev", "sigmoid(g) * prev", "expected a gate exp(g)"),
@@ -213,3 +213,33 @@ def test_the_chunked_form_is_derived_from_the_specs_own_scan(tmp_path):
     for body in ("exp(g) * prev + 2 * v * k", "exp(g) * (prev + v * k)"):
         with pytest.raises(ValueError, match="differs from the chunked form"):
             derive_chunked_form(scan_of(BASE.replace("exp(g) * prev + v * k", body)), "g", "k", "v", "q")
+
+
+def test_head_first_inputs_run_as_sequences_of_one_head(gla_op, tmp_path, run_cli):
+    """A spec declaring [batch head time dim] compiles to the same kernels (B x H sequences of one head, views of
+    the inputs): output, final state and gradients equal the time-first op's on the same data; decoding too;
+    packing along time is refused; `ncd check` validates the spec."""
+    spec = tmp_path / "gla_head_first.ncd"
+    spec.write_text(BASE.replace("[batch time head", "[batch head time"))
+    op = ncd.load(spec, sizes={"kdim": K, "vdim": V}, cache_dir=tmp_path / "cache")
+    q, k, v, g = draw(B=2, T=40, H=3, seed=7)
+    s0 = torch.randn(2, 3, K, V) * 0.1
+    do, dfin = torch.randn(v.shape), torch.randn(s0.shape)
+
+    def head_first(t):
+        return t.transpose(1, 2).contiguous()
+
+    want = with_grads(lambda *t: gla_op.module.chunk(*t[:4], initial_state=t[4], output_final_state=True,
+                                                     chunk_size=16), (q, k, v, g, s0), (do, dfin))
+    got = with_grads(lambda *t: op.module.chunk(*t[:4], initial_state=t[4], output_final_state=True, chunk_size=16),
+                     (*map(head_first, (q, k, v, g)), s0), (head_first(do), dfin))
+    for index, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert rms_ratio(a.transpose(1, 2) if index in (0, 2, 3, 4, 5) else a, b) < 1e-6, index
+    with torch.no_grad():
+        one, state = op.module.recurrent(*(head_first(t[:, :1]) for t in (q, k, v, g)), initial_state=s0)
+        want_one, want_state = gla_op.module.recurrent(q[:, :1], k[:, :1], v[:, :1], g[:, :1], initial_state=s0)
+    assert rms_ratio(one.transpose(1, 2), want_one) < 1e-6 and rms_ratio(state, want_state) < 1e-6
+    with pytest.raises(CallError, match="declares its inputs head-first"):
+        op.module.chunk(*map(head_first, (q[:1], k[:1], v[:1], g[:1])), cu_seqlens=torch.tensor([0, 3, 40]))
+    code, out, err = run_cli("check", str(spec))
+    assert code == 0 and "ok   numerics" in out, out + err

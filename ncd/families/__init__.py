@@ -13,7 +13,7 @@ REGISTRY: tuple[Family, ...] = (
            "ncd.families.rational.plan:plan_rational", "ncd.families.rational.forms:RationalForms"),
     Family("polykan", "polynomial KAN layers: a basis recurrence of one input contracted with coefficients",
            "ncd.families.polykan.plan:plan_polykan", "ncd.families.polykan.forms:PolyKANForms"),
-    Family("recurrence", "gated outer-product recurrences read through a ridge solve (Gated KalmaNet)",
+    Family("recurrence", "gated outer-product recurrences: gated linear attention; Gated KalmaNet's ridge solve",
            "ncd.families.recurrence.plan:plan_recurrence", "ncd.families.recurrence.forms:RecurrenceForms"),
     Family("generic", "any other spec: a PyTorch function of its IR that torch.compile lowers to Triton",
            "ncd.families.generic:plan_generic", "ncd.families.generic.forms:GenericForms"),

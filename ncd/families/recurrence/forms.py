@@ -38,6 +38,8 @@ class RecurrenceForms(Forms):
         out = [Case("chunk default", "normal", FP32), Case("chunk 16", "normal", FP32, True),
                Case("chunk 32", "gates", FP32, True), Case("cu_seqlens", "normal", FP32, True),
                Case("state", "normal", FP32, True)]
+        if self._time_dim() == 2:  # packing runs along time in fla's layout only
+            out = [c for c in out if c.form != "cu_seqlens"]
         # decoding last: the earlier cases keep their indices, so a seed draws what it drew before
         return out + [Case("chunk 16", "normal", d, True) for d in dtypes if d != FP32] + [
             Case("decode", "normal", FP32, True)]
@@ -67,14 +69,19 @@ class RecurrenceForms(Forms):
         if case.draw != "gates":
             return inputs
         g = inputs[self.plan.roles.g].clone()
-        g[:, ::3] = 0.0  # no decay: exactly 0
-        g[:, 1::7] = -30.0  # an almost complete reset
+        lead = (slice(None),) * self._time_dim()
+        g[(*lead, slice(None, None, 3))] = 0.0  # no decay: exactly 0
+        g[(*lead, slice(1, None, 7))] = -30.0  # an almost complete reset
         return {**inputs, self.plan.roles.g: g}
 
     def _kwargs(self, leaves: dict[str, torch.Tensor], part: slice = slice(None)) -> dict[str, object]:
         r = self.plan.roles
         names = {"q": r.q, "k": r.k, "v": r.v, "g": r.g, "beta": r.beta, "alpha": r.alpha}
-        return {role: leaves[name][:, part] for role, name in names.items() if name}
+        along_time = (slice(None),) * self._time_dim() + (part,)
+        return {role: leaves[name][along_time] for role, name in names.items() if name}
+
+    def _time_dim(self) -> int:
+        return 2 if getattr(self.plan.roles, "head_first", False) else 1
 
     def call(self, op: Op, case: Case, leaves: dict[str, torch.Tensor]) -> torch.Tensor:
         if case.form == "chunk default":
@@ -88,12 +95,12 @@ class RecurrenceForms(Forms):
                                  chunk_size=16)
         if case.form == "state":
             second, _ = chunk(**self._kwargs(leaves, slice(self.SPLIT, None)), initial_state=state, chunk_size=16)
-            return torch.cat([first, second], dim=1)
+            return torch.cat([first, second], dim=self._time_dim())
         if case.form == "decode":  # decoding: one token, then the rest in one call
             one, state = op.module.recurrent(**self._kwargs(leaves, slice(self.SPLIT, self.SPLIT + 1)),
                                              initial_state=state)
             rest, _ = op.module.recurrent(**self._kwargs(leaves, slice(self.SPLIT + 1, None)), initial_state=state)
-            return torch.cat([first, one, rest], dim=1)
+            return torch.cat([first, one, rest], dim=self._time_dim())
         return chunk(**self._kwargs(leaves), chunk_size=int(case.form.split()[-1]))[0]
 
     def reference(self, op: Op, case: Case, leaves: dict[str, torch.Tensor]) -> torch.Tensor:

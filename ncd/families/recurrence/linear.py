@@ -3,7 +3,8 @@
 Recognition (a located `unsupported` error where a spec departs from it):
     S[.. time .. vdim kdim] = scan(exp(g) * prev + v * k, over time)     (either order of the factors and axes)
     out o[.. time .. vdim] = scale * (S . q over kdim)                   (constant factors allowed)
-with q, k, v, g declared inputs in fla's layout ([batch time head dim], g [batch time head]). That is simple GLA,
+with q, k, v, g declared inputs in fla's layout ([batch time head dim], g [batch time head]) or head-first
+([batch head time dim], g [batch head time]). That is simple GLA,
 RetNet (a constant gate per head, passed per token) and the recurrence of Mamba-2's SSD form. The chunked form is
 derived in kernel_linear.py's docstring and printed by `--emit plan`.
 """
@@ -36,6 +37,7 @@ class LinearRoles:
     kdim: str
     vdim: str
     S: str
+    head_first: bool = False  # inputs declared [batch head time dim]
     beta: None = None  # the shared validation forms ask every recurrence for these
     alpha: None = None
 
@@ -58,7 +60,8 @@ class LinearScanPlan:
             "kernel family: gated linear attention (a gated outer-product scan read by the queries)",
             f"  roles: queries {r.q}, keys {r.k}, values {r.v}, log gate {r.g} (one per token and head), scale "
             f"{r.scale or '1'}{f' times {self.config.output_factor:g}' if self.config.output_factor != 1 else ''}; "
-            f"scan over '{r.time}', per ({r.batch}, {r.head})",
+            f"scan over '{r.time}', per ({r.batch}, {r.head})"
+            f"{'; head-first inputs, run as batch x head sequences of one head' if r.head_first else ''}",
             f"  state: {r.S}[{r.vdim} {r.kdim}] = sum_s exp(G_t - G_s) v_s k_s^T  ({self.origins['S']}); "
             f"o_t = scale S_t q_t  ({self.origins['output']})",
             self.derivation,
@@ -168,11 +171,11 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
     token_axes = q_axes[:3]
     if scan.over not in token_axes:
         raise _fail(scan, f"the scan runs over '{scan.over}', which {q_name} does not carry")
-    if q_axes[1] != scan.over:
-        head_first = " (head-first)" if q_axes.index(scan.over) == 2 else ""
-        raise _fail(program.tensor(q_name).span, f"{q_name} is declared [{' '.join(q_axes)}]{head_first}, but the "
-                    f"recurrence family takes fla's layout [batch time head dim], the scanned axis '{scan.over}' "
-                    "second")
+    head_first = q_axes[2] == scan.over  # [batch head time dim]: run as batch x head sequences of one head
+    if q_axes[1] != scan.over and not head_first:
+        raise _fail(program.tensor(q_name).span, f"{q_name} is declared [{' '.join(q_axes)}], but the recurrence "
+                    f"family takes fla's layout [batch time head dim] or the head-first [batch head time dim]: the "
+                    f"scanned axis '{scan.over}' second or third")
     if len(g_axes) == 4 and g_axes[:3] == token_axes:
         raise _fail(program.tensor(g_name).span, f"{g_name} gates every key dimension ([{' '.join(g_axes)}]: GLA's "
                     "per-key gate); the recurrence family compiles a scalar gate per token and head so far",
@@ -186,12 +189,13 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
     val = right if key is left else left
     k_name = rec.input_of(key, "the keys")
     v_name = rec.input_of(val, "the values")
-    batch, time, head = token_axes
+    batch, time, head = (token_axes[0], token_axes[2], token_axes[1]) if head_first else token_axes
     vdim = program.tensor(v_name).axes[-1]
-    for name, axes in ((k_name, (batch, time, head, kdim)), (v_name, (batch, time, head, vdim)),
-                       (g_name, (batch, time, head)), (out, (batch, time, head, vdim))):
+    for name, axes in ((k_name, (*token_axes, kdim)), (v_name, (*token_axes, vdim)), (g_name, token_axes),
+                       (out, (*token_axes, vdim))):
         if program.tensor(name).axes != axes:
-            raise _fail(program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (fla layout)")
+            raise _fail(program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (the layout of "
+                        f"{q_name})")
     roles_by_name: dict[str, str] = {}
     named: list[tuple[str, str | None]] = [("queries", q_name), ("keys", k_name), ("values", v_name),
                                            ("log gate", g_name), ("scale", scale)]
@@ -207,14 +211,14 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
         raise _fail(program.params[0].span, f"the recurrence family takes no parameters; {program.params[0].name} "
                     "would be ignored")
     rec.claimed = [s_name]
-    rec.check_addressing(out, token_axes, {s_name: {(batch, time, head, vdim), (batch, time, head, kdim)}})
+    rec.check_addressing(out, token_axes, {s_name: {(*token_axes, vdim), (*token_axes, kdim)}})
     rec.check_state_axes(s_name, scan, token_axes, {vdim, kdim})
     try:
         derivation = derive_chunked_form(scan, g_name, k_name, v_name, q_name)
     except ValueError as err:
         raise _fail(scan, str(err)) from None
     roles = LinearRoles(q=q_name, k=k_name, v=v_name, g=g_name, scale=scale, output=out, batch=batch, time=time,
-                        head=head, kdim=kdim, vdim=vdim, S=s_name)
+                        head=head, kdim=kdim, vdim=vdim, S=s_name, head_first=head_first)
     origins = {"S": rec.origin(s_name), "output": rec.origin(out),
                "scale": f"{rec.file}:{program.tensor(scale).span.line}" if scale else rec.origin(out)}
     return LinearScanPlan(roles=roles, origins=origins, derivation=derivation,

@@ -60,6 +60,7 @@ class RecurrenceRoles:
     vdim: str
     H: str
     U: str
+    head_first: bool = False  # inputs declared [batch head time dim]
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class RecurrencePlan:
             f"  roles: queries {r.q}, keys {r.k}, values {r.v}, log gate {r.g}, scaling {r.beta or '-'}, "
             f"alpha {r.alpha or '-'}, scale {r.scale or '1'}"
             f"{f' times {self.output_factor:g}' if self.output_factor != 1.0 else ''}; scan over '{r.time}', "
-            f"per ({r.batch}, {r.head})",
+            f"per ({r.batch}, {r.head})"
+            f"{'; head-first inputs, run as batch x head sequences of one head' if r.head_first else ''}",
             f"  states: {r.H}[{r.kdim} {r.kcol}] = sum_s exp(G_t - G_s) kb_s kb_s^T  ({self.origins['H']}),  "
             f"{r.U}[{r.vdim} {r.kdim}] = sum_s exp(G_t - G_s) vb_s kb_s^T  ({self.origins['U']})",
             f"  scalings: kb = {r.k} * ({self.key_scale}),  vb = {r.v} * ({self.value_scale})  [bt = {r.beta}]",
@@ -271,23 +273,23 @@ class _Recognizer:
         if scan_axis not in q_axes[:3]:
             raise _fail(h_scan, f"the scans run over '{scan_axis}', which {q_name} does not carry: expected "
                         f"{q_name}[batch {scan_axis} head {kdim}]")
-        if q_axes[1] != scan_axis:
-            layout = " ".join(q_axes)
-            head_first = " (head-first)" if q_axes.index(scan_axis) == 2 else ""
-            raise _fail(q_decl.span, f"{q_name} is declared [{layout}]{head_first}, but the recurrence family "
-                        f"takes fla's layout [batch time head dim], the scanned axis '{scan_axis}' second",
-                        hint=f"declare the inputs as [{q_axes[0] if q_axes[0] != scan_axis else q_axes[1]} "
-                        f"{scan_axis} {q_axes[2] if q_axes[2] != scan_axis else q_axes[1]} dim]")
-        batch, time, head = q_axes[:3]
+        head_first = q_axes[2] == scan_axis  # [batch head time dim]: run as batch x head sequences of one head
+        if q_axes[1] != scan_axis and not head_first:
+            raise _fail(q_decl.span, f"{q_name} is declared [{' '.join(q_axes)}], but the recurrence family takes "
+                        f"fla's layout [batch time head dim] or the head-first [batch head time dim]: the scanned "
+                        f"axis '{scan_axis}' second or third")
+        token = q_axes[:3]  # as declared
+        batch, time, head = (token[0], token[2], token[1]) if head_first else token
         kcol = solve.over
         vdim = next((a for a in self.program.tensor(u_name).axes if a not in (batch, time, head, kdim)), None)
         if vdim is None:
             raise _fail(self.lets[u_name], f"expected {u_name}[{batch} {time} {head} vdim {kdim}]: the values' "
                         "axis is missing")
-        for name, axes in ((k_name, (batch, time, head, kdim)), (v_name, (batch, time, head, vdim)),
-                           (g_h, (batch, time, head)), (beta, (batch, time, head)), (alpha, (batch, time, head))):
+        for name, axes in ((k_name, (*token, kdim)), (v_name, (*token, vdim)), (g_h, token), (beta, token),
+                           (alpha, token)):
             if name is not None and self.program.tensor(name).axes != axes:
-                raise _fail(self.program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (fla layout)")
+                raise _fail(self.program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (the layout of "
+                            f"{q_name})")
         roles_by_name: dict[str, str] = {}
         for role, name in (("queries", q_name), ("keys", k_name), ("values", v_name), ("log gate", g_h),
                            ("scaling", beta), ("alpha", alpha), ("scale", scale)):
@@ -301,18 +303,17 @@ class _Recognizer:
         if self.program.params:
             param = self.program.params[0]
             raise _fail(param.span, f"the recurrence family takes no parameters; {param.name} would be ignored")
-        self.check_addressing(out, (batch, time, head), {
-            h_name: {(batch, time, head, kdim), (batch, time, head, kcol)},
-            u_name: {(batch, time, head, vdim), (batch, time, head, kdim)}})
-        self.check_state_axes(h_name, h_scan, (batch, time, head), {kdim, kcol})
-        self.check_state_axes(u_name, u_scan, (batch, time, head), {vdim, kdim})
+        self.check_addressing(out, token, {h_name: {(*token, kdim), (*token, kcol)},
+                                           u_name: {(*token, vdim), (*token, kdim)}})
+        self.check_state_axes(h_name, h_scan, token, {kdim, kcol})
+        self.check_state_axes(u_name, u_scan, token, {vdim, kdim})
         rho = sympy.simplify(((NORM + RIDGE * NORM) - RIDGE * NORM) / ((NORM + RIDGE * NORM) + RIDGE * NORM))
         if rho.has(NORM):
             raise _fail(solve, "the Chebyshev contraction rate depends on the token; expected mu = lam, "
                         "L = normH + lam")
         roles = RecurrenceRoles(q=q_name, k=k_name, v=v_name, g=g_h, beta=beta, alpha=alpha, scale=scale,
                                 output=out, batch=batch, time=time, head=head, kdim=kdim, kcol=kcol, vdim=vdim,
-                                H=h_name, U=u_name)
+                                H=h_name, U=u_name, head_first=head_first)
         origins = {"H": self.origin(h_name), "U": self.origin(u_name), "norm": self.origin(norm_name),
                    "lam": self.origin(lam_name), "solve": self.origin(x_name), "qa": self.origin(qa_name),
                    "output": self.origin(out),

@@ -44,10 +44,27 @@ class Roles:
     alpha: str | None
     scale: str | None
     axes: Mapping[str, tuple[str, ...]]  # role (q k v g beta alpha o) -> spec axes
+    head_first: bool = False  # [batch head time dim] (the op runs it as batch x head sequences of one head)
 
 
 def _opt(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is not None and t.numel() > 0 else None
+
+
+def as_one_head_sequences(tensors: Sequence[Any], states: Sequence[Any]) -> tuple[list, list, tuple[int, int]]:
+    """Head-first tensors [B, H, T, ...] as fla-layout ones [B * H, T, 1, ...]: B * H sequences of one head (views
+    where contiguous); states [B, H, ...] as [B * H, 1, ...]. None stays None."""
+    B, H, T = tensors[0].shape[:3]
+    per_token = [t if t is None else t.reshape(B * H, T, 1, *t.shape[3:]) for t in tensors]
+    per_sequence = [t if t is None else t.reshape(B * H, 1, *t.shape[2:]) for t in states]
+    return per_token, per_sequence, (B, H)
+
+
+def as_head_first(o: torch.Tensor, states: Sequence[Any], shape: tuple[int, int]) -> tuple[torch.Tensor, list]:
+    """as_one_head_sequences undone for an output [B * H, T, 1, V] and states [B * H, 1, ...] (empty: kept)."""
+    B, H = shape
+    o = o.reshape(B, H, o.shape[1], o.shape[3])
+    return o, [t if t is None or t.numel() == 0 else t.reshape(B, H, *t.shape[2:]) for t in states]
 
 
 class ScanOp:
@@ -86,6 +103,9 @@ class ScanOp:
         if q.numel() >= 2**31 or v.numel() >= 2**31:
             raise CallError(None, detail=f"{self.spec_name}: tensors too large for the kernels' 32-bit offsets")
         n_seq = q.shape[0]
+        if cu_seqlens is not None and r.head_first:
+            raise CallError(None, detail=f"{self.spec_name}: cu_seqlens packs sequences along time in fla's "
+                            "[batch time head dim] layout; this spec declares its inputs head-first")
         if cu_seqlens is not None:
             if q.shape[0] != 1:
                 raise CallError(None, detail=f"with cu_seqlens, {r.q} must have batch 1 (packed), got {q.shape[0]}")
@@ -97,7 +117,7 @@ class ScanOp:
                                 f"got {bounds}")
             n_seq = len(bounds) - 1
         if initial_state is not None:
-            heads, K, V = q.shape[2], q.shape[3], v.shape[3]
+            heads, K, V = q.shape[1 if r.head_first else 2], q.shape[3], v.shape[3]
             for name, t, shape, layout in self._state_shapes(initial_state, n_seq, heads, K, V):
                 if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
                     got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -204,7 +224,8 @@ class GKAOp(ScanOp):
               ridge: float | None = None, num_iter: int | None = None, chunk_size: int | None = None) -> tuple:
         """The chunked op with fla's conventions, in the positional order of fla's chunk_gated_delta_rule (q, k,
         v, g, beta, scale, initial_state, output_final_state, cu_seqlens); alpha and the rest by keyword only.
-        q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] natural-log gates (<= 0; -inf is a full reset), beta and
+        q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] (or all head-first, [B, H, T, ...], where the spec declares
+        them so; no cu_seqlens then) natural-log gates (<= 0; -inf is a full reset), beta and
         alpha [B, T, H] or None (no key/value scaling; alpha = 1; either must be None where the spec has no such
         input). scale: a number or a one-element tensor (its gradient is computed when it requires one).
         initial_state: (H [N, H, K, K], S [N, H, K, V]) fp32 or None. Returns (o [B, T, H, V], final_state or
@@ -220,6 +241,11 @@ class GKAOp(ScanOp):
         if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
             scale_tensor, scale = scale.reshape(()), 1.0
         scale = float(scale) * self.output_factor
+        shape = None
+        if self.roles.head_first:  # [B, H, T, D] is [B * H, T, 1, D]: B * H sequences of one head
+            (q, k, v, g, beta, alpha), states, shape = as_one_head_sequences((q, k, v, g, beta, alpha),
+                                                                             initial_state or (None, None))
+            initial_state = None if initial_state is None else tuple(states)
         packed = cu_seqlens is not None
         bounds = self._chunk_table(1, q.shape[1], cu_seqlens, chunk_size, q.device)[5] if packed else None
         given = (q, k, v, g, beta, alpha)
@@ -238,10 +264,14 @@ class GKAOp(ScanOp):
                                  scale_tensor)
         else:
             o = torch.where(poisoned[..., None], float("nan"), o)
-        if not output_final_state:
-            return o, None
-        nan_states = seq_poisoned[..., None, None]
-        return o, (torch.where(nan_states, float("nan"), h_fin), torch.where(nan_states, float("nan"), s_fin))
+        final = None
+        if output_final_state:
+            nan_states = seq_poisoned[..., None, None]
+            final = (torch.where(nan_states, float("nan"), h_fin), torch.where(nan_states, float("nan"), s_fin))
+        if shape is None:
+            return o, final
+        o, final_states = as_head_first(o, final or (None, None), shape)
+        return o, (tuple(final_states) if final is not None else None)
 
     def recurrent(self, q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any = None,
                   initial_state: Any = None, output_final_state: bool = True, *, alpha: Any = None,
@@ -260,8 +290,15 @@ class GKAOp(ScanOp):
             raise CallError(None, detail=f"{self.spec_name}: recurrent() is for decoding and has no backward; an "
                             "input requires a gradient (use chunk() to train, or call under torch.no_grad())")
         scale = float(self._scale(scale, sizes)) * self.output_factor
+        shape = None
+        if self.roles.head_first:
+            (q, k, v, g, beta, alpha), states, shape = as_one_head_sequences((q, k, v, g, beta, alpha),
+                                                                             initial_state or (None, None))
+            initial_state = None if initial_state is None else tuple(states)
         h_init, s_init = initial_state if initial_state is not None else (None, None)
         o, h_fin, s_fin = self._launch_step(q, k, v, g, beta, alpha, h_init, s_init, scale, ridge, num_iter)
+        if shape is not None:
+            o, (h_fin, s_fin) = as_head_first(o, (h_fin, s_fin), shape)
         return o, ((h_fin, s_fin) if output_final_state else None)
 
 

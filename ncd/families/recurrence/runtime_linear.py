@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ncd.errors import CallError
-from ncd.families.recurrence.runtime import Roles, ScanOp
+from ncd.families.recurrence.runtime import Roles, ScanOp, as_head_first, as_one_head_sequences
 from ncd.op_runtime import Arg, KernelOp
 
 _ARGS = [Arg("q", grad=True), Arg("k", grad=True), Arg("v", grad=True), Arg("g", grad=True),
@@ -69,7 +69,8 @@ class LinearScanOp(ScanOp):
               initial_state: Any = None, output_final_state: bool = False, cu_seqlens: Any = None, *,
               chunk_size: int | None = None) -> tuple:
         """The chunked op in fla's chunk_gla positional order (q, k, v, g, scale, initial_state,
-        output_final_state, cu_seqlens). q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] natural-log gates (<= 0;
+        output_final_state, cu_seqlens). q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] (or all head-first, [B,
+        H, T, ...], where the spec declares them so; no cu_seqlens then) natural-log gates (<= 0;
         -inf is a full reset). scale: a number or a one-element tensor (its gradient is computed when it requires
         one); None takes the spec's default. initial_state: S [N, H, K, V] fp32 or None. Returns (o [B, T, H, V],
         final state [N, H, K, V] fp32 or None). Non-finite inputs: the outputs are non-finite exactly where the
@@ -84,8 +85,13 @@ class LinearScanOp(ScanOp):
             scale_tensor, scale = scale.reshape(()), 1.0
         scale = float(scale) * self.output_factor
         s_init = initial_state.float().contiguous() if initial_state is not None else None
+        shape = None
+        if self.roles.head_first:  # [B, H, T, D] is [B * H, T, 1, D]: B * H sequences of one head
+            (q, k, v, g), (s_init,), shape = as_one_head_sequences((q, k, v, g), (s_init,))
         o, s_fin = self.op(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), s_init, cu_seqlens,
                            float(scale), int(chunk_size), bool(output_final_state))
+        if shape is not None:
+            o, (s_fin,) = as_head_first(o, (s_fin,), shape)
         if scale_tensor is not None:
             o = o * scale_tensor.to(o.dtype)
         return o, (s_fin if output_final_state else None)
@@ -103,5 +109,10 @@ class LinearScanOp(ScanOp):
             raise CallError(None, detail=f"{self.spec_name}: recurrent() is for decoding and has no backward; an "
                             "input requires a gradient (use chunk() to train, or call under torch.no_grad())")
         scale = float(self._scale(scale, sizes)) * self.output_factor
+        shape = None
+        if self.roles.head_first:
+            (q, k, v, g), (initial_state,), shape = as_one_head_sequences((q, k, v, g), (initial_state,))
         o, s_fin = self._launch_step(q, k, v, g, initial_state, scale)
+        if shape is not None:
+            o, (s_fin,) = as_head_first(o, (s_fin,), shape)
         return o, (s_fin if output_final_state else None)
