@@ -243,3 +243,42 @@ def test_head_first_inputs_run_as_sequences_of_one_head(gla_op, tmp_path, run_cl
         op.module.chunk(*map(head_first, (q[:1], k[:1], v[:1], g[:1])), cu_seqlens=torch.tensor([0, 3, 40]))
     code, out, err = run_cli("check", str(spec))
     assert code == 0 and "ok   numerics" in out, out + err
+
+
+GQA = BASE.replace("axis batch, time, head", "axis batch, time, kvhead, qgroup\naxis head = kvhead * qgroup").replace(
+    "in  k[batch time head kdim]", "in  k[batch time kvhead kdim]").replace(
+    "in  v[batch time head vdim]", "in  v[batch time kvhead vdim]")
+
+
+def test_gqa_keys_and_values_are_shared_by_their_group_of_query_heads(gla_op, tmp_path, run_cli):
+    """`axis head = kvhead * qgroup` with k, v on kvhead: query head h reads key/value head h // qgroup, with no
+    copies; the output and final state equal the op's on repeated keys and values, and dk, dv are the group sums
+    of its gradients; decoding too; `ncd check` validates the spec."""
+    assert GQA.count("kvhead") == 4
+    spec = tmp_path / "gla_gqa.ncd"
+    spec.write_text(GQA)
+    op = ncd.load(spec, sizes={"kdim": K, "vdim": V}, cache_dir=tmp_path / "cache")
+    q, _, _, g = draw(B=2, T=40, H=6, seed=8)
+    _, k, v, _ = draw(B=2, T=40, H=2, seed=9)  # 2 key/value heads, 3 query heads each
+    s0 = torch.randn(2, 6, K, V) * 0.1
+    do, dfin = torch.randn((*q.shape[:3], V)), torch.randn(s0.shape)
+
+    def repeated(*t):
+        return gla_op.module.chunk(t[0], t[1].repeat_interleave(3, 2), t[2].repeat_interleave(3, 2), t[3],
+                                   initial_state=t[4], output_final_state=True, chunk_size=16)
+
+    want = with_grads(repeated, (q, k, v, g, s0), (do, dfin))
+    got = with_grads(lambda *t: op.module.chunk(*t[:4], initial_state=t[4], output_final_state=True, chunk_size=16),
+                     (q, k, v, g, s0), (do, dfin))
+    assert got[3].shape == k.shape and got[4].shape == v.shape
+    for a, b in zip(got, want, strict=True):
+        assert rms_ratio(a, b) < 1e-6
+    with torch.no_grad():
+        one, state = op.module.recurrent(q[:, :1], k[:, :1], v[:, :1], g[:, :1], initial_state=s0)
+        want_one, want_state = gla_op.module.recurrent(q[:, :1], k[:, :1].repeat_interleave(3, 2),
+                                                       v[:, :1].repeat_interleave(3, 2), g[:, :1], initial_state=s0)
+    assert rms_ratio(one, want_one) < 1e-6 and rms_ratio(state, want_state) < 1e-6
+    with pytest.raises(CallError, match="kvhead"):
+        op.module.chunk(q[:, :, :5], k, v, g[:, :, :5])  # 5 query heads over 2 key/value heads
+    code, out, err = run_cli("check", str(spec))
+    assert code == 0 and "ok   numerics" in out, out + err

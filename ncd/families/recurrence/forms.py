@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ncd import ir
+from ncd.families.recurrence.linear import group_sizes
 from ncd.ops import Op
 from ncd.reference import evaluate
 from ncd.validate import Case
@@ -61,7 +62,8 @@ class RecurrenceForms(Forms):
         r = self.plan.roles
         if not case.small:  # one sequence per head at the spec's head dims; the twins run two
             return {**sizes, r.batch: 1}
-        return {**sizes, r.batch: 1 if case.form in ("cu_seqlens", "state", "decode") else 2, r.head: 1,
+        heads = {r.head: 1, **group_sizes(self.op.front.program, r.head, 2)}  # GQA: one key/value head, 2 groups
+        return {**sizes, r.batch: 1 if case.form in ("cu_seqlens", "state", "decode") else 2, **heads,
                 r.time: self.PACKED[-1] if case.form == "cu_seqlens" else sizes[r.time]}
 
     def draw(self, case: Case, inputs: dict[str, torch.Tensor], generator: torch.Generator | None

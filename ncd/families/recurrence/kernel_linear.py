@@ -19,7 +19,8 @@ weighted operands rounded to them, as fla does) or, for fp32 inputs, tf32x3 ones
 forward(config, q, k, v, g, s_init, cu_seqlens, scale, chunk, final) -> (o, s_fin)
 backward(config, do, ds_fin, q, k, v, g, s_init, cu_seqlens, scale, chunk) -> (dq, dk, dv, dg, ds_init)
 recurrent(config, q, k, v, g, s_init, scale) -> (o, s_fin): decoding, token by token from a state.
-q, k [B, T, H, K], v [B, T, H, V], g [B, T, H]; states [N, H, K, V] fp32; cu_seqlens packs N sequences into B = 1.
+q [B, T, H, K], k [B, T, H / G, K], v [B, T, H / G, V] (G query heads share a key/value head: GQA), g [B, T, H];
+states [N, H, K, V] fp32 (one per query head: the gates are); cu_seqlens packs N sequences into B = 1.
 """
 
 from __future__ import annotations
@@ -77,13 +78,14 @@ def precision(config: Any, dtype: torch.dtype) -> str:
 
 @triton.jit
 def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, flags_ptr, seq_first_ptr, chunk_start_ptr,
-          chunk_end_ptr, weight, H, K, V, REVERSE: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+          chunk_end_ptr, weight, H, G, K, V, REVERSE: tl.constexpr, HAS_INIT: tl.constexpr,
+          STORE_FINAL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """One [BK, BV] tile of the chunk-boundary states of one sequence and head, sequential over its chunks: each
     chunk's incoming state is stored, then `state = exp(Gc) state + (left o w)^T right`. Forward: left k, right v,
     w = exp(Gc - G), chunks in order, the states the chunks start from. REVERSE (backward): left q, right do,
     w = weight exp(G), last chunk first, starting from dS_N: the gradients of the states the chunks end in; the
-    last carry is the initial state's gradient. The forward also flags each chunk's non-finite values, per tile
+    last carry is the initial state's gradient. left and right have H / G heads (G query heads share a key/value
+    head: GQA; the reverse scan's q and do have G = 1). The forward also flags each chunk's non-finite values, per tile
     (flags [chunks, H, tiles]), so that the output kernel takes its exact path only where they are."""
     i_tile, nh = tl.program_id(0), tl.program_id(1)
     n, h = nh // H, nh % H
@@ -103,8 +105,8 @@ def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, flags_ptr
         rows = bos + (c - first) * BT + tl.arange(0, BT)
         valid = rows < eos
         gc, gtot = _gates(g_ptr + h, rows, valid, H)
-        lt = _load_cols(left_ptr + h * K, rows, valid, H * K, rk, K)
-        rgt = _load_rows_raw(right_ptr + h * V, rows, valid, H * V, 0, rv, V)
+        lt = _load_cols(left_ptr + (h // G) * K, rows, valid, (H // G) * K, rk, K)
+        rgt = _load_rows_raw(right_ptr + (h // G) * V, rows, valid, (H // G) * V, 0, rv, V)
         if not REVERSE:
             bad = tl.max(tl.max(((rgt - rgt) != 0).to(tl.int32), 1), 0)
             tl.store(flags_ptr + (c * H + h) * (tl.cdiv(K, BK) * n_v) + i_tile, bad)
@@ -141,8 +143,8 @@ def _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT: tl.constexpr):
 
 @autotune(name="linear_scan", configs=_configs(_OUTPUT_CONFIGS), key=_KEY)
 @triton.jit
-def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, flags_ptr, o_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, K,
-            V, WORK, N_FLAGS, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, flags_ptr, o_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, G,
+            K, V, WORK, N_FLAGS, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
             FLAGS: tl.constexpr):
     """o for one chunk, head and [BV] block of values: scale (exp(G) o (q S_c) + ((q k^T) o D) v), the keys in
     [BK] blocks, as fla's kernel does. Non-finite values take a separate path, chosen by the scan's flags: checked
@@ -158,13 +160,13 @@ def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, flags_ptr, o_ptr, chunk_star
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
         q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
-        kt = _load_cols(k_ptr + h * K, rows, valid, H * K, ck, K)
+        kt = _load_cols(k_ptr + (h // G) * K, rows, valid, (H // G) * K, ck, K)
         s0 = tl.load(states_ptr + part + ck[:, None] * V + cv[None, :], mask=(ck[:, None] < K) & (cv[None, :] < V),
                      other=0.0)
         o = _dot(q, s0.to(q.dtype), PREC, o)
         scores = _dot(q, kt, PREC, scores)
     o = o * tl.exp(gc)[:, None]
-    v = _load_rows_raw(v_ptr + h * V, rows, valid, H * V, 0, cv, V)
+    v = _load_rows_raw(v_ptr + (h // G) * V, rows, valid, (H // G) * V, 0, cv, V)
     scores = _causal(scores * _decay_mask(gc, BT), BT).to(v.dtype)
     flagged = tl.load(flags_ptr + (c * H + h) * N_FLAGS + tl.arange(0, FLAGS), mask=tl.arange(0, FLAGS) < N_FLAGS,
                       other=0)
@@ -184,16 +186,16 @@ def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, flags_ptr, o_ptr, chunk_star
 @autotune(name="linear_scan", configs=_configs(_GRADS_CONFIGS), key=_KEY)
 @triton.jit
 def _grads(q_ptr, k_ptr, v_ptr, g_ptr, do_ptr, states_ptr, dstates_ptr, dq_ptr, dk_ptr, dv_ptr, dgt_ptr,
-           chunk_start_ptr, chunk_end_ptr, scale, H, K, V, WORK, BT: tl.constexpr, BK: tl.constexpr,
+           chunk_start_ptr, chunk_end_ptr, scale, H, G, K, V, WORK, BT: tl.constexpr, BK: tl.constexpr,
            BV: tl.constexpr, PREC: tl.constexpr):
     """dq, dk, dv and dG_t = q_t . dq_t - k_t . dk_t of one chunk and head, the values in [BV] blocks (module
-    docstring)."""
+    docstring); dk and dv per query head (the caller sums a GQA group's)."""
     c, h = tl.program_id(0), tl.program_id(1)
     rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
     gc, gtot = _gates(g_ptr + h, rows, valid, H)
     ck = tl.arange(0, BK)
     q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
-    k = _load_rows_raw(k_ptr + h * K, rows, valid, H * K, 0, ck, K)
+    k = _load_rows_raw(k_ptr + (h // G) * K, rows, valid, (H // G) * K, 0, ck, K)
     decay = _decay_mask(gc, BT)
     scores_t = tl.trans(_causal(_dot(q, tl.trans(k), PREC) * decay, BT) * scale)  # A^T [s, t]
     dq = tl.zeros((BT, BK), tl.float32)
@@ -206,7 +208,7 @@ def _grads(q_ptr, k_ptr, v_ptr, g_ptr, do_ptr, states_ptr, dstates_ptr, dq_ptr, 
         tile_mask = (ck[:, None] < K) & (cv[None, :] < V)
         tile = ck[:, None] * V + cv[None, :]
         do = _load_rows_raw(do_ptr + h * V, rows, valid, H * V, 0, cv, V)
-        v = _load_rows_raw(v_ptr + h * V, rows, valid, H * V, 0, cv, V)
+        v = _load_rows_raw(v_ptr + (h // G) * V, rows, valid, (H // G) * V, 0, cv, V)
         s0 = _operand(tl.load(states_ptr + part + tile, mask=tile_mask, other=0.0), q, PREC)
         ds = _operand(tl.load(dstates_ptr + part + tile, mask=tile_mask, other=0.0), q, PREC)
         dq = _dot(do, tl.trans(s0), PREC, dq)
@@ -237,7 +239,7 @@ def _operand(x, like, PREC: tl.constexpr):
 
 
 @triton.jit
-def _step(q_ptr, k_ptr, v_ptr, g_ptr, init_ptr, o_ptr, final_ptr, scale, T, H, K, V, HAS_INIT: tl.constexpr,
+def _step(q_ptr, k_ptr, v_ptr, g_ptr, init_ptr, o_ptr, final_ptr, scale, T, H, G, K, V, HAS_INIT: tl.constexpr,
           BK: tl.constexpr, BV: tl.constexpr):
     """Decoding: one [K, BV] state tile of one (sequence, head) in registers across the call's tokens."""
     i_v, bh = tl.program_id(0), tl.program_id(1)
@@ -254,8 +256,9 @@ def _step(q_ptr, k_ptr, v_ptr, g_ptr, init_ptr, o_ptr, final_ptr, scale, T, H, K
     for t in range(T):
         tok = (b.to(tl.int64) * T + t) * H + head
         q = tl.load(q_ptr + tok * K + ck, mask=k_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + tok * K + ck, mask=k_ok, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + tok * V + cv, mask=v_ok, other=0.0).to(tl.float32)
+        kv_tok = (b.to(tl.int64) * T + t) * (H // G) + head // G
+        k = tl.load(k_ptr + kv_tok * K + ck, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_tok * V + cv, mask=v_ok, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + tok + one).to(tl.float32)
         decay = tl.exp(tl.where(g < G_FLOOR, G_FLOOR, g))
         state = decay[:, None] * state + k[:, None] * v[None, :]
@@ -288,7 +291,7 @@ def _head_dims(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
 
 def _run_scan(config, left, right, g, init, table, chunk, weight, reverse, final, prec):
     first, start, end, n_seq, n_chunks, _ = table
-    heads, K, V = left.shape[2], left.shape[3], right.shape[3]
+    heads, K, V = g.shape[2], left.shape[3], right.shape[3]
     bk, bv, warps = config.scan_tiles
     bk, bv = min(bk, max(16, _pow2(K))), min(bv, max(16, _pow2(V)))
     states = _empty((n_chunks, heads, K, V), _state_dtype(left, prec), left.device, config.poison_outputs)
@@ -296,8 +299,8 @@ def _run_scan(config, left, right, g, init, table, chunk, weight, reverse, final
     grid = (triton.cdiv(K, bk) * triton.cdiv(V, bv), n_seq * heads)
     flags = None if reverse else torch.empty((n_chunks, heads, grid[0]), dtype=torch.int32, device=left.device)
     _fast(_scan)[grid](left, right, g, init if init is not None else states, states, out,
-                       flags if flags is not None else states, first, start, end,
-                       float(weight), heads, K, V, REVERSE=reverse, HAS_INIT=init is not None, STORE_FINAL=final,
+                       flags if flags is not None else states, first, start, end, float(weight), heads,
+                       heads // left.shape[2], K, V, REVERSE=reverse, HAS_INIT=init is not None, STORE_FINAL=final,
                        BT=chunk, BK=bk, BV=bv, PREC=prec, num_warps=warps)
     return states, (out if final else None), flags
 
@@ -308,10 +311,11 @@ def forward(config, q, k, v, g, s_init, cu_seqlens, scale, chunk, final):
     table = chunk_table(B, T, cu_seqlens, chunk, q.device)
     prec = precision(config, q.dtype)
     states, s_fin, flags = _run_scan(config, k, v, g, s_init, table, chunk, 1.0, False, final, prec)
-    o = _empty(v.shape, v.dtype, v.device, config.poison_outputs)
+    o = _empty((*q.shape[:3], V), v.dtype, v.device, config.poison_outputs)
     n_chunks = table[4]
     _fast(_output)[lambda meta: (triton.cdiv(V, meta["BV"]), n_chunks, heads)](
-        q, k, v, g, states, flags, o, table[1], table[2], float(scale), heads, K, V, _work(n_chunks, heads),
+        q, k, v, g, states, flags, o, table[1], table[2], float(scale), heads, heads // k.shape[2], K, V,
+        _work(n_chunks, heads),
         flags.shape[2], BT=chunk, BK=min(bk, 64), PREC=prec, FLAGS=max(2, _pow2(flags.shape[2])))
     return o, s_fin
 
@@ -326,12 +330,18 @@ def backward(config, do, ds_fin, q, k, v, g, s_init, cu_seqlens, scale, chunk):
     states, s_fin, _ = _run_scan(config, k, v, g, s_init, table, chunk, 1.0, False, ds_fin is not None, prec)
     dstates, ds_init, _ = _run_scan(config, q, do, g, ds_fin, table, chunk, scale, True, s_init is not None, prec)
     poison, n_chunks = config.poison_outputs, table[4]
-    dq, dk = (_empty(t.shape, t.dtype, t.device, poison) for t in (q, k))
-    dv = _empty(v.shape, v.dtype, v.device, poison)
+    group = heads // k.shape[2]
+    grouped = torch.float32 if group > 1 else None  # per query head, summed over each group below
+    dq = _empty(q.shape, q.dtype, q.device, poison)
+    dk = _empty(q.shape, grouped or k.dtype, k.device, poison)
+    dv = _empty((*q.shape[:3], V), grouped or v.dtype, v.device, poison)
     dgt = _empty(g.shape, torch.float32, g.device, poison)
     _fast(_grads)[(n_chunks, heads)](q, k, v, g, do, states, dstates, dq, dk, dv, dgt, table[1], table[2],
-                                     float(scale), heads, K, V, _work(n_chunks, heads), BT=chunk, BK=bk,
+                                     float(scale), heads, group, K, V, _work(n_chunks, heads), BT=chunk, BK=bk,
                                      PREC=prec)
+    if group > 1:
+        dk = dk.view(B, T, heads // group, group, K).sum(3).to(k.dtype)
+        dv = dv.view(B, T, heads // group, group, V).sum(3).to(v.dtype)
     if ds_fin is not None:  # the final state reads every gate of its sequence: <S_T, dS_T> at its last token
         ends = torch.tensor(table[5][1:], device=g.device) - 1
         flat = dgt.view(-1, heads)
@@ -344,10 +354,11 @@ def recurrent(config, q, k, v, g, s_init, scale):
     B, T, heads, _ = q.shape
     K, V, bk = _head_dims(q, v)
     q, k, v, g = (t.contiguous() for t in (q, k, v, g))
-    o = _empty(v.shape, v.dtype, v.device, config.poison_outputs)
+    o = _empty((B, T, heads, V), v.dtype, v.device, config.poison_outputs)
     s_fin = torch.empty((B, heads, K, V), dtype=torch.float32, device=q.device)
     bv = min(32, max(16, _pow2(V)))
     _fast(_step)[(triton.cdiv(V, bv), B * heads)](
-        q, k, v, g, s_init.contiguous() if s_init is not None else s_fin, o, s_fin, float(scale), T, heads, K, V,
+        q, k, v, g, s_init.contiguous() if s_init is not None else s_fin, o, s_fin, float(scale), T, heads,
+        heads // k.shape[2], K, V,
         HAS_INIT=s_init is not None, BK=bk, BV=bv, num_warps=4)
     return o, s_fin

@@ -4,7 +4,8 @@ Recognition (a located `unsupported` error where a spec departs from it):
     S[.. time .. vdim kdim] = scan(exp(g) * prev + v * k, over time)     (either order of the factors and axes)
     out o[.. time .. vdim] = scale * (S . q over kdim)                   (constant factors allowed)
 with q, k, v, g declared inputs in fla's layout ([batch time head dim], g [batch time head]) or head-first
-([batch head time dim], g [batch head time]). That is simple GLA,
+([batch head time dim], g [batch head time]); k and v may sit on `kvhead` where the spec splits `axis head =
+kvhead * group` (GQA). That is simple GLA,
 RetNet (a constant gate per head, passed per token) and the recurrence of Mamba-2's SSD form. The chunked form is
 derived in kernel_linear.py's docstring and printed by `--emit plan`.
 """
@@ -87,6 +88,7 @@ class LinearScanPlan:
     def validation_sizes(self, program: ir.Program) -> dict[str, int]:
         r = self.roles
         sizes = {r.batch: 2, r.time: 37, r.head: 2}
+        sizes.update(group_sizes(program, r.head, 2))
         for axis in (r.kdim, r.vdim):
             sizes[axis] = program.axis(axis).fixed or 24
         return sizes
@@ -153,6 +155,25 @@ def derive_chunked_form(scan: ir.Scan, g: str, k: str, v: str, q: str, steps: in
             "(q_t dL/dq_t - k_t dL/dk_t) + <S_T, dL/dS_T>")
 
 
+def group_sizes(program: ir.Program, head: str, heads: int) -> dict[str, int]:
+    """Validation sizes of a GQA split `head = kvhead * group` with `heads` query heads: kvhead = heads // 2 (at
+    least 1), group = heads // kvhead; {} where the spec does not split its head axis."""
+    factors = program.axis(head).factors
+    if len(factors) != 2:
+        return {}
+    kv = max(1, heads // 2)
+    return {factors[0]: kv, factors[1]: heads // kv, head: heads}
+
+
+def _kv_token_axes(program: ir.Program, token_axes: tuple[str, ...], head: str,
+                   declared: tuple[str, ...]) -> tuple[str, ...]:
+    """The keys' and values' token axes: the queries' (one key/value head per query head), or, for GQA, theirs
+    with the head axis replaced by its outer factor where the spec splits it, `axis head = kvhead * group`."""
+    factors = program.axis(head).factors
+    grouped = tuple(factors[0] if a == head else a for a in token_axes) if len(factors) == 2 else None
+    return grouped if declared == grouped else token_axes
+
+
 def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str | None, output_factor: float,
                      state: ir.Load, reader: ir.Load) -> LinearScanPlan:
     from ncd.families.recurrence.plan import _fail
@@ -191,7 +212,8 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
     v_name = rec.input_of(val, "the values")
     batch, time, head = (token_axes[0], token_axes[2], token_axes[1]) if head_first else token_axes
     vdim = program.tensor(v_name).axes[-1]
-    for name, axes in ((k_name, (*token_axes, kdim)), (v_name, (*token_axes, vdim)), (g_name, token_axes),
+    kv_axes = _kv_token_axes(program, token_axes, head, program.tensor(k_name).axes[:3])
+    for name, axes in ((k_name, (*kv_axes, kdim)), (v_name, (*kv_axes, vdim)), (g_name, token_axes),
                        (out, (*token_axes, vdim))):
         if program.tensor(name).axes != axes:
             raise _fail(program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (the layout of "
@@ -211,7 +233,8 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
         raise _fail(program.params[0].span, f"the recurrence family takes no parameters; {program.params[0].name} "
                     "would be ignored")
     rec.claimed = [s_name]
-    rec.check_addressing(out, token_axes, {s_name: {(*token_axes, vdim), (*token_axes, kdim)}})
+    rec.check_addressing(out, token_axes, {s_name: {(*kv_axes, vdim), (*kv_axes, kdim)}},
+                         {k_name: kv_axes, v_name: kv_axes})
     rec.check_state_axes(s_name, scan, token_axes, {vdim, kdim})
     try:
         derivation = derive_chunked_form(scan, g_name, k_name, v_name, q_name)

@@ -352,7 +352,8 @@ class _Recognizer:
         return contracts[0], scale, constant
 
     def check_addressing(self, out: str, token_axes: tuple[str, str, str],
-                         update_axes: dict[str, set[tuple[str, ...]]]) -> None:
+                         update_axes: dict[str, set[tuple[str, ...]]],
+                         per_tensor: dict[str, tuple[str, ...]] | None = None) -> None:
         """Every load in the claimed definitions reads one token's row as declared: no index expressions, no
         relabelled batch, time or head; the two factors of each state update span the state's two axes."""
         claimed = [out, *self.claimed]
@@ -362,9 +363,10 @@ class _Recognizer:
                     continue
                 declared = self.program.tensor(node.tensor).axes
                 addressed = tuple(i.axis for i in node.index)
+                row = (per_tensor or {}).get(node.tensor, token_axes)
                 if any(i.index is not None for i in node.index) or (
-                        declared and addressed[:3] != token_axes):
-                    raise _fail(node, f"expected {node.tensor} read per token as [{' '.join(token_axes)} ...]; "
+                        declared and addressed[:3] != row):
+                    raise _fail(node, f"expected {node.tensor} read per token as [{' '.join(row)} ...]; "
                                 f"it is read as [{' '.join(str(a) for a in addressed)}]")
         for name, expected in update_axes.items():
             scan = self.lets[name].value

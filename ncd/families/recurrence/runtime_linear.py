@@ -47,7 +47,7 @@ class LinearScanOp(ScanOp):
               scale: float, chunk: int, final: bool) -> tuple:
         n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         shape = (n_seq, q.shape[2], q.shape[3], v.shape[3]) if final else (0,)
-        return v.new_empty(v.shape), q.new_empty(shape, dtype=torch.float32)
+        return v.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(shape, dtype=torch.float32)
 
     def _backward(self, grads: tuple, saved: tuple, constants: tuple, needs: tuple, stash: Any) -> list:
         do, ds_fin = grads
@@ -70,7 +70,8 @@ class LinearScanOp(ScanOp):
               chunk_size: int | None = None) -> tuple:
         """The chunked op in fla's chunk_gla positional order (q, k, v, g, scale, initial_state,
         output_final_state, cu_seqlens). q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] (or all head-first, [B,
-        H, T, ...], where the spec declares them so; no cu_seqlens then) natural-log gates (<= 0;
+        H, T, ...], where the spec declares them so; no cu_seqlens then; k and v with H / G heads where the spec
+        splits `head = kvhead * group`) natural-log gates (<= 0;
         -inf is a full reset). scale: a number or a one-element tensor (its gradient is computed when it requires
         one); None takes the spec's default. initial_state: S [N, H, K, V] fp32 or None. Returns (o [B, T, H, V],
         final state [N, H, K, V] fp32 or None). Non-finite inputs: the outputs are non-finite exactly where the
