@@ -282,3 +282,6 @@ def test_gqa_keys_and_values_are_shared_by_their_group_of_query_heads(gla_op, tm
         op.module.chunk(q[:, :, :5], k, v, g[:, :, :5])  # 5 query heads over 2 key/value heads
     code, out, err = run_cli("check", str(spec))
     assert code == 0 and "ok   numerics" in out, out + err
+    head_first = GQA.replace("[batch time head", "[batch head time").replace("[batch time kvhead", "[batch kvhead time")
+    text = refusal(tmp_path, head_first, "gla_gqa_head_first")
+    assert "gla_gqa_head_first.ncd:" in text and "in fla's layout only" in text, text

@@ -213,6 +213,10 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
     batch, time, head = (token_axes[0], token_axes[2], token_axes[1]) if head_first else token_axes
     vdim = program.tensor(v_name).axes[-1]
     kv_axes = _kv_token_axes(program, token_axes, head, program.tensor(k_name).axes[:3])
+    if head_first and kv_axes != token_axes:
+        raise _fail(program.tensor(k_name).span, "keys and values shared by groups of query heads (GQA) are "
+                    "compiled in fla's layout only: declare the inputs [batch time head dim], k and v [batch time "
+                    "kvhead dim]")
     for name, axes in ((k_name, (*kv_axes, kdim)), (v_name, (*kv_axes, vdim)), (g_name, token_axes),
                        (out, (*token_axes, vdim))):
         if program.tensor(name).axes != axes:

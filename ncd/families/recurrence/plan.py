@@ -1,5 +1,6 @@
 """The recurrence family: gated outer-product state recurrences read through a per-token ridge solve (Gated
-KalmaNet, papers/gated-kalmanet.txt), compiled to chunked Triton kernels.
+KalmaNet, papers/gated-kalmanet.txt), compiled to chunked Triton kernels. A scanned state read by the queries
+directly (gated linear attention) is recognised by linear.py instead.
 
 Recognition (every step a located `unsupported` error when a spec has scans but departs from it):
     H[.. time .. a b] = scan(exp(g) * prev + kb * kb[.. b], over time)        a gated key covariance
