@@ -285,3 +285,21 @@ def test_gqa_keys_and_values_are_shared_by_their_group_of_query_heads(gla_op, tm
     head_first = GQA.replace("[batch time head", "[batch head time").replace("[batch time kvhead", "[batch kvhead time")
     text = refusal(tmp_path, head_first, "gla_gqa_head_first")
     assert "gla_gqa_head_first.ncd:" in text and "in fla's layout only" in text, text
+
+
+def test_a_gate_per_head_is_retnets_decay_broadcast_over_batch_and_time(gla_op):
+    """specs/retnet.ncd declares g[head]: the op broadcasts it to every token (a view), so the output equals the
+    per-token op's with the gate repeated, and dg is the sum of its per-token gradients."""
+    op = ncd.load(shipped_spec("retnet"), sizes={"kdim": K, "vdim": V})
+    q, k, v, _ = draw(B=2, T=40, H=3, seed=10)
+    gamma = torch.log(1 - 2.0 ** (-5.0 - torch.arange(3.0)))  # RetNet's decays
+    do = torch.randn(v.shape)
+    got = with_grads(lambda *t: op.module.chunk(*t, chunk_size=16)[:1], (q, k, v, gamma), (do,))
+    want = with_grads(lambda *t: gla_op.module.chunk(*t[:3], t[3].expand(2, 40, 3), chunk_size=16)[:1],
+                      (q, k, v, gamma), (do,))
+    assert got[-1].shape == (3,)
+    for a, b in zip(got, want, strict=True):
+        assert rms_ratio(a, b) < 1e-6
+    with torch.no_grad():
+        one, _ = op.module.recurrent(q[:, :1], k[:, :1], v[:, :1], gamma)
+    assert rms_ratio(one, want[0][:, :1]) < 1e-5

@@ -73,6 +73,10 @@ class RecurrenceForms(Forms):
         if case.draw != "gates":
             return inputs
         g = inputs[self.plan.roles.g].clone()
+        if g.dim() == 1:  # a gate per head: the first without decay, the last (of two or more) almost a reset
+            g[-1] = -30.0  # (alone, its gradient would be a sum of terms cancelling to ~1e-13: fp32 noise)
+            g[0] = 0.0
+            return {**inputs, self.plan.roles.g: g}
         lead = (slice(None),) * self._time_dim()
         g[(*lead, slice(None, None, 3))] = 0.0  # no decay: exactly 0
         g[(*lead, slice(1, None, 7))] = -30.0  # an almost complete reset
@@ -82,7 +86,8 @@ class RecurrenceForms(Forms):
         r = self.plan.roles
         names = {"q": r.q, "k": r.k, "v": r.v, "g": r.g, "beta": r.beta, "alpha": r.alpha}
         along_time = (slice(None),) * self._time_dim() + (part,)
-        return {role: leaves[name][along_time] for role, name in names.items() if name}
+        return {role: leaves[name][along_time] if leaves[name].dim() > self._time_dim() else leaves[name]
+                for role, name in names.items() if name}  # a gate per head (g[head]) has no time
 
     def _time_dim(self) -> int:
         return 2 if getattr(self.plan.roles, "head_first", False) else 1

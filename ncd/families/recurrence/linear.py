@@ -39,6 +39,7 @@ class LinearRoles:
     vdim: str
     S: str
     head_first: bool = False  # inputs declared [batch head time dim]
+    gate_per_head: bool = False  # g[head] (RetNet): broadcast over batch and time by the op
     beta: None = None  # the shared validation forms ask every recurrence for these
     alpha: None = None
 
@@ -59,7 +60,8 @@ class LinearScanPlan:
         r = self.roles
         return [
             "kernel family: gated linear attention (a gated outer-product scan read by the queries)",
-            f"  roles: queries {r.q}, keys {r.k}, values {r.v}, log gate {r.g} (one per token and head), scale "
+            f"  roles: queries {r.q}, keys {r.k}, values {r.v}, log gate {r.g} "
+            f"({'one per head, every token' if r.gate_per_head else 'one per token and head'}), scale "
             f"{r.scale or '1'}{f' times {self.config.output_factor:g}' if self.config.output_factor != 1 else ''}; "
             f"scan over '{r.time}', per ({r.batch}, {r.head})"
             f"{'; head-first inputs, run as batch x head sequences of one head' if r.head_first else ''}",
@@ -217,8 +219,9 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
         raise _fail(program.tensor(k_name).span, "keys and values shared by groups of query heads (GQA) are "
                     "compiled in fla's layout only: declare the inputs [batch time head dim], k and v [batch time "
                     "kvhead dim]")
-    for name, axes in ((k_name, (*kv_axes, kdim)), (v_name, (*kv_axes, vdim)), (g_name, token_axes),
-                       (out, (*token_axes, vdim))):
+    gate_per_head = g_axes == (head,)  # RetNet: one decay per head, the same at every token
+    for name, axes in ((k_name, (*kv_axes, kdim)), (v_name, (*kv_axes, vdim)),
+                       (g_name, (head,) if gate_per_head else token_axes), (out, (*token_axes, vdim))):
         if program.tensor(name).axes != axes:
             raise _fail(program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (the layout of "
                         f"{q_name})")
@@ -238,14 +241,15 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
                     "would be ignored")
     rec.claimed = [s_name]
     rec.check_addressing(out, token_axes, {s_name: {(*kv_axes, vdim), (*kv_axes, kdim)}},
-                         {k_name: kv_axes, v_name: kv_axes})
+                         {k_name: kv_axes, v_name: kv_axes, **({g_name: (head,)} if gate_per_head else {})})
     rec.check_state_axes(s_name, scan, token_axes, {vdim, kdim})
     try:
         derivation = derive_chunked_form(scan, g_name, k_name, v_name, q_name)
     except ValueError as err:
         raise _fail(scan, str(err)) from None
     roles = LinearRoles(q=q_name, k=k_name, v=v_name, g=g_name, scale=scale, output=out, batch=batch, time=time,
-                        head=head, kdim=kdim, vdim=vdim, S=s_name, head_first=head_first)
+                        head=head, kdim=kdim, vdim=vdim, S=s_name, head_first=head_first,
+                        gate_per_head=gate_per_head)
     origins = {"S": rec.origin(s_name), "output": rec.origin(out),
                "scale": f"{rec.file}:{program.tensor(scale).span.line}" if scale else rec.origin(out)}
     return LinearScanPlan(roles=roles, origins=origins, derivation=derivation,

@@ -95,7 +95,7 @@ def render_linear_module(program: ir.Program, plan: LinearScanPlan, op_id: str) 
         params=[t.name if t.default is None else f"{t.name}=None" for t in inputs],
         required=[f"({t.name!r}, {t.name})" for t in inputs if t.default is None],
         call_args=", ".join(f"{by_role[t.name]}={t.name}" for t in inputs), scale_default=scale_default,
-        scale_present=r.scale is not None, head_first=r.head_first,
+        scale_present=r.scale is not None, head_first=r.head_first, gate_per_head=r.gate_per_head,
         axes_table=repr({a.name: (a.fixed, a.factors) for a in program.axes}),
         axes=axes)
     ast.parse(text)  # the template must always produce valid Python

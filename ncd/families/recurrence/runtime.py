@@ -45,6 +45,7 @@ class Roles:
     scale: str | None
     axes: Mapping[str, tuple[str, ...]]  # role (q k v g beta alpha o) -> spec axes
     head_first: bool = False  # [batch head time dim] (the op runs it as batch x head sequences of one head)
+    gate_per_head: bool = False  # g[head] (gated linear attention only): one decay per head at every token
 
 
 def _opt(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -61,6 +61,15 @@ class LinearScanOp(ScanOp):
         q = saved[0]
         return [torch.empty_like(t) if t is not None else q.new_empty(0) for t in saved[:5]]
 
+    def _per_token(self, g: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """A gate per head (RetNet: g[head]) as the kernels' gate per token, a broadcast view (autograd sums its
+        gradient back); a gate per token as given."""
+        if not self.roles.gate_per_head:
+            return g
+        if self.roles.head_first:
+            return g.view(1, -1, 1).expand(q.shape[0], q.shape[1], q.shape[2])
+        return g.view(1, 1, -1).expand(*q.shape[:3])
+
     @staticmethod
     def _state_shapes(initial_state: Any, n_seq: int, heads: int, K: int, V: int) -> list:
         return [("initial_state", initial_state, (n_seq, heads, K, V), "sequence head key value")]
@@ -86,6 +95,7 @@ class LinearScanOp(ScanOp):
             scale_tensor, scale = scale.reshape(()), 1.0
         scale = float(scale) * self.output_factor
         s_init = initial_state.float().contiguous() if initial_state is not None else None
+        g = self._per_token(g, q)
         shape = None
         if self.roles.head_first:  # [B, H, T, D] is [B * H, T, 1, D]: B * H sequences of one head
             (q, k, v, g), (s_init,), shape = as_one_head_sequences((q, k, v, g), (s_init,))
@@ -110,6 +120,7 @@ class LinearScanOp(ScanOp):
             raise CallError(None, detail=f"{self.spec_name}: recurrent() is for decoding and has no backward; an "
                             "input requires a gradient (use chunk() to train, or call under torch.no_grad())")
         scale = float(self._scale(scale, sizes)) * self.output_factor
+        g = self._per_token(g, q)
         shape = None
         if self.roles.head_first:
             (q, k, v, g), (initial_state,), shape = as_one_head_sequences((q, k, v, g), (initial_state,))
