@@ -8,6 +8,7 @@ where the math puts it) and runs the kernels through the shared runtime."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -68,7 +69,7 @@ def as_head_first(o: torch.Tensor, states: Sequence[Any], shape: tuple[int, int]
     return o, [t if t is None or t.numel() == 0 else t.reshape(B, H, *t.shape[2:]) for t in states]
 
 
-class ScanOp:
+class ScanOp(ABC):
     """What the recurrence ops share: call checks (names, axes, dtypes, devices, cu_seqlens, initial states), the
     scale's resolution and the function named after the spec. Subclasses set the attributes below and say their
     initial states' shapes (`_state_shapes`)."""
@@ -81,9 +82,9 @@ class ScanOp:
     _chunk_table: Callable[..., Any]
 
     @staticmethod
+    @abstractmethod
     def _state_shapes(initial_state: Any, n_seq: int, heads: int, K: int, V: int) -> list:
         """(name, tensor, shape, axes) of each initial state."""
-        raise NotImplementedError
 
     # --- calls --------------------------------------------------------------------------------------------------
 
@@ -137,6 +138,14 @@ class ScanOp:
                             f"shape {tuple(scale.shape)}")
         return scale
 
+    def _kernel_scale(self, scale: Any, sizes: dict[str, int]) -> tuple[float, torch.Tensor | None]:
+        """The kernels' scale (the output factor included) and, for a scale that needs its gradient, the tensor
+        that multiplies their output instead (the kernels then run at scale 1 and autograd takes the product)."""
+        scale = self._scale(scale, sizes)
+        if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
+            return self.output_factor, scale.reshape(())
+        return float(scale) * self.output_factor, None
+
     def _check_presence(self, q: Any, k: Any, v: Any, g: Any, beta: Any, alpha: Any, scale: Any) -> None:
         r = self.roles
         for name, t in ((r.q, q), (r.k, k), (r.v, v), (r.g, g)):
@@ -157,8 +166,9 @@ class ScanOp:
                 raise CallError(None, detail=f"{self.spec_name}: {name} is required (the spec gives it no default)")
         return self.chunk(**inputs)[0]
 
+    @abstractmethod
     def chunk(self, *args: Any, **kwargs: Any) -> tuple:
-        raise NotImplementedError
+        """The chunked op: (o, final state or None)."""
 
 
 class GKAOp(ScanOp):
@@ -237,11 +247,7 @@ class GKAOp(ScanOp):
         chunk_size = self.chunk_size if chunk_size is None else chunk_size
         self._check_presence(q, k, v, g, beta, alpha, scale)
         sizes = self._check(q, k, v, g, beta, alpha, initial_state, cu_seqlens, chunk_size)
-        scale = self._scale(scale, sizes)
-        scale_tensor = None  # a scale with a gradient to compute: the kernels run at scale 1, the product is autograd's
-        if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
-            scale_tensor, scale = scale.reshape(()), 1.0
-        scale = float(scale) * self.output_factor
+        scale, scale_tensor = self._kernel_scale(scale, sizes)
         shape = None
         if self.roles.head_first:  # [B, H, T, D] is [B * H, T, 1, D]: B * H sequences of one head
             (q, k, v, g, beta, alpha), states, shape = as_one_head_sequences((q, k, v, g, beta, alpha),

@@ -89,11 +89,7 @@ class LinearScanOp(ScanOp):
         chunk_size = self.chunk_size if chunk_size is None else chunk_size
         self._check_presence(q, k, v, g, None, None, scale)
         sizes = self._check(q, k, v, g, None, None, initial_state, cu_seqlens, chunk_size)
-        scale = self._scale(scale, sizes)
-        scale_tensor = None  # a scale with a gradient to compute: the kernels run at scale 1, the product is autograd's
-        if isinstance(scale, torch.Tensor) and scale.requires_grad and torch.is_grad_enabled():
-            scale_tensor, scale = scale.reshape(()), 1.0
-        scale = float(scale) * self.output_factor
+        scale, scale_tensor = self._kernel_scale(scale, sizes)
         s_init = initial_state.float().contiguous() if initial_state is not None else None
         g = self._per_token(g, q)
         shape = None
