@@ -9,6 +9,12 @@ RMSNorm gated by silu(g_proj(x)) and the output projection.
 `SimpleGatedLinearAttention`: fla's simple GLA layer (fla.layers.simple_gla): q, k, v projections (optional short
 convolutions), a per-head log gate logsigmoid(gk_proj(x)) / gate_logit_normalizer, the core
 `ncd.ops.chunk_simple_gla`, an RMSNorm gated by silu(g_proj(x)) and the output projection.
+
+`GatedDeltaNet` and `DeltaNet`: fla's layers (fla.layers.gated_deltanet, fla.layers.delta_net): q, k, v
+projections with short convolutions and SiLU, l2-normalised q and k, beta = sigmoid(b_proj(x)) (times 2 with
+`allow_neg_eigval`), the Mamba2-style gate of GatedKalmaNet (GatedDeltaNet only), the core
+`ncd.ops.chunk_gated_delta_rule` / `chunk_delta_rule`, an RMSNorm gated by silu(g_proj(x)) and the output
+projection.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import CallError
-from .ops import chunk_gka, chunk_simple_gla
+from .ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_gka, chunk_simple_gla
 
 
 class ShortConvolution(nn.Module):
@@ -145,3 +151,59 @@ class SimpleGatedLinearAttention(nn.Module):
         gate = self.g_proj(x).view(B, T, self.num_heads, self.head_v_dim) if self.g_proj is not None else None
         out = self.o_proj(self.g_norm(o, gate).reshape(B, T, -1))
         return (out, state) if output_final_state else out
+
+
+class GatedDeltaNet(nn.Module):
+    gated = True
+
+    def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int | None = None,
+                 expand_v: float = 1.0, use_short_conv: bool = True, conv_size: int = 4, use_output_gate: bool = True,
+                 allow_neg_eigval: bool = False, chunk_size: int = 64, norm_eps: float = 1e-5) -> None:
+        super().__init__()
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.head_k_dim = head_dim or hidden_size // num_heads
+        self.head_v_dim = int(self.head_k_dim * expand_v)
+        self.allow_neg_eigval, self.chunk_size = allow_neg_eigval, chunk_size
+        key_dim, value_dim = num_heads * self.head_k_dim, num_heads * self.head_v_dim
+        self.q_proj = nn.Linear(hidden_size, key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, value_dim, bias=False)
+        self.convs = nn.ModuleList([ShortConvolution(d, conv_size) for d in (key_dim, key_dim, value_dim)]) \
+            if use_short_conv else None
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        if self.gated:  # Mamba2 gate parameters, initialised as GatedKalmaNet's (and fla's)
+            self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
+            self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(0, 16).clamp_min(1e-4).log())
+            dt = torch.exp(torch.rand(num_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp_min(1e-4)
+            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.g_proj = nn.Linear(hidden_size, value_dim, bias=False) if use_output_gate else None
+        self.o_norm = GatedRMSNorm(self.head_v_dim, norm_eps)
+        self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, initial_state=None,
+                output_final_state: bool = False):
+        """x [B, T, hidden] -> [B, T, hidden] (and the final state [N, H, K, V] when asked)."""
+        _check_input(type(self).__name__, x, self.hidden_size)
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.convs is not None:
+            q, k, v = (conv(t, cu_seqlens) for conv, t in zip(self.convs, (q, k, v), strict=True))
+        q, k = (F.normalize(t.view(B, T, self.num_heads, self.head_k_dim).float(), dim=-1, eps=1e-6).to(x.dtype)
+                for t in (q, k))
+        v = v.view(B, T, self.num_heads, self.head_v_dim)
+        beta = torch.sigmoid(self.b_proj(x).float()) * (2.0 if self.allow_neg_eigval else 1.0)
+        scale = self.head_k_dim ** -0.5
+        if self.gated:
+            g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+            o, state = chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                              chunk_size=self.chunk_size)
+        else:
+            o, state = chunk_delta_rule(q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                        chunk_size=self.chunk_size)
+        gate = self.g_proj(x).view(B, T, self.num_heads, self.head_v_dim) if self.g_proj is not None else None
+        out = self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
+        return (out, state) if output_final_state else out
+
+
+class DeltaNet(GatedDeltaNet):
+    gated = False

@@ -15,7 +15,8 @@ from .cache import CacheError, import_generated
 from .compiler import Compiled, ConfigError, ConfigOverrides, advance, compile_spec, config_overrides, with_config
 from .family import KernelPlan
 
-__all__ = ["CacheError", "ConfigError", "Op", "chunk_gka", "chunk_simple_gla", "import_generated", "load",
+__all__ = ["CacheError", "ConfigError", "Op", "chunk_delta_rule", "chunk_gated_delta_rule", "chunk_gka",
+           "chunk_simple_gla", "import_generated", "load", "recurrent_delta_rule", "recurrent_gated_delta_rule",
            "recurrent_gka", "recurrent_simple_gla", "shipped_spec"]
 
 
@@ -137,6 +138,44 @@ def recurrent_simple_gla(q: Any, k: Any, v: Any, g: Any, scale: Any = None, init
     True)`. Returns (o, the state after the last token or None). Inference only."""
     return _shipped_op("simple_gla", "recurrent_simple_gla", q, v, config).module.recurrent(
         q, k, v, g, scale, initial_state, output_final_state)
+
+
+def chunk_gated_delta_rule(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any = None, initial_state: Any = None,
+                           output_final_state: bool = False, cu_seqlens: Any = None, *, chunk_size: int = 64,
+                           config: Mapping[str, object] | None = None) -> Any:
+    """The gated delta rule (Gated DeltaNet) compiled from `specs/gated_delta_rule.ncd`, in fla's
+    chunk_gated_delta_rule positional order: S_t = exp(g_t) (I - b_t k_t k_t^T) S_(t-1) + b_t k_t v_t^T, o_t =
+    scale S_t^T q_t. q, k [B, T, H, K] (k l2-normalised), v [B, T, H, V], g [B, T, H] natural-log gates (<= 0;
+    -inf resets), beta [B, T, H], scale a number or a one-element tensor (default K^-1/2), initial_state S [N, H,
+    K, V] fp32; returns (o [B, T, H, V], final state or None). Head sizes up to 256; `config` overrides
+    LinearScanConfig fields."""
+    return _shipped_op("gated_delta_rule", "chunk_gated_delta_rule", q, v, config).module.chunk(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size=chunk_size)
+
+
+def recurrent_gated_delta_rule(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any = None, initial_state: Any = None,
+                               output_final_state: bool = True, *, config: Mapping[str, object] | None = None) -> Any:
+    """Decoding for `chunk_gated_delta_rule`: token by token from a state S [B, H, K, V] fp32 (or None). Returns
+    (o, the state after the last token or None). Inference only."""
+    return _shipped_op("gated_delta_rule", "recurrent_gated_delta_rule", q, v, config).module.recurrent(
+        q, k, v, g, beta, scale, initial_state, output_final_state)
+
+
+def chunk_delta_rule(q: Any, k: Any, v: Any, beta: Any, scale: Any = None, initial_state: Any = None,
+                     output_final_state: bool = False, cu_seqlens: Any = None, *, chunk_size: int = 64,
+                     config: Mapping[str, object] | None = None) -> Any:
+    """The delta rule (DeltaNet) compiled from `specs/delta_rule.ncd`, in fla's chunk_delta_rule positional order:
+    S_t = (I - b_t k_t k_t^T) S_(t-1) + b_t k_t v_t^T, o_t = scale S_t^T q_t; arguments as
+    `chunk_gated_delta_rule`'s without g."""
+    return _shipped_op("delta_rule", "chunk_delta_rule", q, v, config).module.chunk(
+        q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size=chunk_size)
+
+
+def recurrent_delta_rule(q: Any, k: Any, v: Any, beta: Any, scale: Any = None, initial_state: Any = None,
+                         output_final_state: bool = True, *, config: Mapping[str, object] | None = None) -> Any:
+    """Decoding for `chunk_delta_rule`: token by token from a state S [B, H, K, V] fp32 (or None)."""
+    return _shipped_op("delta_rule", "recurrent_delta_rule", q, v, config).module.recurrent(
+        q, k, v, beta, scale, initial_state, output_final_state)
 
 
 def _shipped_op(spec: str, caller: str, q: Any, v: Any, config: Mapping[str, object] | None) -> Op:

@@ -1,11 +1,12 @@
 """What `ncd check` runs for the gated recurrence: chunk sizes, packed sequences (cu_seqlens), initial state,
-decoding from a prefill's state, and gates at 0 and -30."""
+decoding from a prefill's state, gates at 0 and -30, and the delta rule's writing strengths at 0 and 1."""
 
 from __future__ import annotations
 
 import torch
 
 from ncd import ir
+from ncd.families.recurrence.delta import DeltaRulePlan
 from ncd.families.recurrence.linear import group_sizes
 from ncd.ops import Op
 from ncd.reference import evaluate
@@ -14,7 +15,7 @@ from ncd.validation_forms import FP32, Forms
 
 
 class RecurrenceForms(Forms):
-    """Gated KalmaNet and gated linear attention: the default chunk size at the spec's sizes; chunk sizes 16 and
+    """Gated KalmaNet, gated linear attention and the delta rule: the default chunk size at the spec's sizes; chunk sizes 16 and
     32 (three and two chunks at 37 tokens), packed sequences (`cu_seqlens`), a chained call through
     `initial_state`/`output_final_state`, and decoding (`recurrent`, forward only) from a chunked prefill's state,
     one token and then the rest, each on a twin compiled with small head dims (the same generated code; the
@@ -72,12 +73,19 @@ class RecurrenceForms(Forms):
              ) -> dict[str, torch.Tensor]:
         if case.draw != "gates":
             return inputs
+        lead = (slice(None),) * self._time_dim()
+        if isinstance(self.plan, DeltaRulePlan):  # writing strengths exactly 0 (no write) and 1 (replace)
+            beta = inputs[self.plan.roles.beta].clone()
+            beta[(*lead, slice(2, None, 5))] = 0.0
+            beta[(*lead, slice(4, None, 5))] = 1.0
+            inputs = {**inputs, self.plan.roles.beta: beta}
+            if self.plan.roles.g is None:
+                return inputs
         g = inputs[self.plan.roles.g].clone()
         if g.dim() == 1:  # a gate per head: the first without decay, the last (of two or more) almost a reset
             g[-1] = -30.0  # (alone, its gradient would be a sum of terms cancelling to ~1e-13: fp32 noise)
             g[0] = 0.0
             return {**inputs, self.plan.roles.g: g}
-        lead = (slice(None),) * self._time_dim()
         g[(*lead, slice(None, None, 3))] = 0.0  # no decay: exactly 0
         g[(*lead, slice(1, None, 7))] = -30.0  # an almost complete reset
         return {**inputs, self.plan.roles.g: g}

@@ -21,6 +21,7 @@ from ncd import ir
 from ncd.families.recurrence.config import LinearScanConfig
 
 if TYPE_CHECKING:
+    from ncd.families.recurrence.delta import DeltaRulePlan
     from ncd.families.recurrence.plan import _Recognizer
 
 
@@ -176,8 +177,46 @@ def _kv_token_axes(program: ir.Program, token_axes: tuple[str, ...], head: str,
     return grouped if declared == grouped else token_axes
 
 
+def token_layout(rec: _Recognizer, q_name: str, kdim: str, scan: ir.Scan) -> tuple[tuple[str, ...], bool]:
+    """The queries' token axes as declared and whether they are head-first ([batch head time dim]); a located
+    error for any other layout."""
+    from ncd.families.recurrence.plan import _fail
+
+    decl = rec.program.tensor(q_name)
+    q_axes = decl.axes
+    if len(q_axes) != 4 or q_axes[3] != kdim:
+        raise _fail(decl.span, f"declare {q_name} as [batch time head {kdim}] (fla's layout)")
+    if scan.over not in q_axes[:3]:
+        raise _fail(scan, f"the scan runs over '{scan.over}', which {q_name} does not carry")
+    head_first = q_axes[2] == scan.over  # [batch head time dim]: run as batch x head sequences of one head
+    if q_axes[1] != scan.over and not head_first:
+        raise _fail(decl.span, f"{q_name} is declared [{' '.join(q_axes)}], but the recurrence family takes fla's "
+                    f"layout [batch time head dim] or the head-first [batch head time dim]: the scanned axis "
+                    f"'{scan.over}' second or third")
+    return q_axes[:3], head_first
+
+
+def check_roles(rec: _Recognizer, named: list[tuple[str, str | None]], what: str) -> None:
+    """Each input serves one role, every input has one, and the spec has no parameters: located errors."""
+    from ncd.families.recurrence.plan import _fail
+
+    program = rec.program
+    roles_by_name: dict[str, str] = {}
+    for role, given in named:
+        if given is not None and roles_by_name.setdefault(given, role) != role:
+            raise _fail(program.tensor(given).span, f"{given} serves as both the {roles_by_name[given]} and the "
+                        f"{role} of the recurrence; each role needs an input of its own")
+    for t in program.inputs:
+        if t.name not in roles_by_name:
+            raise _fail(t.span, f"{t.name} has no role in {what} ({', '.join(r for r, _ in named)}): the family "
+                        "would ignore it")
+    if program.params:
+        raise _fail(program.params[0].span, f"the recurrence family takes no parameters; {program.params[0].name} "
+                    "would be ignored")
+
+
 def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str | None, output_factor: float,
-                     state: ir.Load, reader: ir.Load) -> LinearScanPlan:
+                     state: ir.Load, reader: ir.Load) -> LinearScanPlan | DeltaRulePlan:
     from ncd.families.recurrence.plan import _fail
 
     program = rec.program
@@ -186,19 +225,13 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
     assert isinstance(scan, ir.Scan)
     q_name = rec.input_of(reader, "the state's reader (the queries)")
     kdim = value.over[0]
+    if sum(isinstance(n, ir.Prev) for n in ir.walk(scan.body)) > 1:  # the state read in its own update
+        from ncd.families.recurrence.delta import recognize_delta
+
+        return recognize_delta(rec, out, value, scale, output_factor, state, reader)
     g_name, left, right = rec.gated_outer(scan, s_name)
     g_axes = program.tensor(g_name).axes
-    q_axes = program.tensor(q_name).axes
-    if len(q_axes) != 4 or q_axes[3] != kdim:
-        raise _fail(program.tensor(q_name).span, f"declare {q_name} as [batch time head {kdim}] (fla's layout)")
-    token_axes = q_axes[:3]
-    if scan.over not in token_axes:
-        raise _fail(scan, f"the scan runs over '{scan.over}', which {q_name} does not carry")
-    head_first = q_axes[2] == scan.over  # [batch head time dim]: run as batch x head sequences of one head
-    if q_axes[1] != scan.over and not head_first:
-        raise _fail(program.tensor(q_name).span, f"{q_name} is declared [{' '.join(q_axes)}], but the recurrence "
-                    f"family takes fla's layout [batch time head dim] or the head-first [batch head time dim]: the "
-                    f"scanned axis '{scan.over}' second or third")
+    token_axes, head_first = token_layout(rec, q_name, kdim, scan)
     if len(g_axes) == 4 and g_axes[:3] == token_axes:
         raise _fail(program.tensor(g_name).span, f"{g_name} gates every key dimension ([{' '.join(g_axes)}]: GLA's "
                     "per-key gate); the recurrence family compiles a scalar gate per token and head so far",
@@ -225,20 +258,8 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
         if program.tensor(name).axes != axes:
             raise _fail(program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (the layout of "
                         f"{q_name})")
-    roles_by_name: dict[str, str] = {}
-    named: list[tuple[str, str | None]] = [("queries", q_name), ("keys", k_name), ("values", v_name),
-                                           ("log gate", g_name), ("scale", scale)]
-    for role, given in named:
-        if given is not None and roles_by_name.setdefault(given, role) != role:
-            raise _fail(program.tensor(given).span, f"{given} serves as both the {roles_by_name[given]} and the "
-                        f"{role} of the recurrence; each role needs an input of its own")
-    for t in program.inputs:
-        if t.name not in roles_by_name:
-            raise _fail(t.span, f"{t.name} has no role in the gated linear attention (queries, keys, values, log "
-                        "gate, scale): the family would ignore it")
-    if program.params:
-        raise _fail(program.params[0].span, f"the recurrence family takes no parameters; {program.params[0].name} "
-                    "would be ignored")
+    check_roles(rec, [("queries", q_name), ("keys", k_name), ("values", v_name), ("log gate", g_name),
+                      ("scale", scale)], "the gated linear attention")
     rec.claimed = [s_name]
     rec.check_addressing(out, token_axes, {s_name: {(*kv_axes, vdim), (*kv_axes, kdim)}},
                          {k_name: kv_axes, v_name: kv_axes, **({g_name: (head,)} if gate_per_head else {})})

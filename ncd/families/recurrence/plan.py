@@ -26,6 +26,7 @@ import sympy
 from ncd import ir
 from ncd.errors import NcdError
 from ncd.families.recurrence.config import RecurrenceConfig
+from ncd.families.recurrence.delta import DeltaRulePlan
 from ncd.families.recurrence.linear import LinearScanPlan, recognize_linear
 from ncd.family import Decline
 from ncd.pipeline import FrontEnd
@@ -187,7 +188,7 @@ def _fp32_products() -> bool:
 # --- recognition --------------------------------------------------------------------------------------------
 
 
-def plan_recurrence(front: FrontEnd, bindings: dict[str, int]) -> RecurrencePlan | LinearScanPlan | Decline:
+def plan_recurrence(front: FrontEnd, bindings: dict[str, int]) -> RecurrencePlan | LinearScanPlan | DeltaRulePlan | Decline:
     program = front.program
     if not any(isinstance(n, ir.Scan) for d in program.definitions for n in ir.walk(d.value)):
         return Decline("the spec has no scan (a gated recurrence over time)")
@@ -222,7 +223,7 @@ class _Recognizer:
             raise _fail(node, f"expected {what} to be a declared input")
         return node.tensor
 
-    def run(self) -> RecurrencePlan | LinearScanPlan:
+    def run(self) -> RecurrencePlan | LinearScanPlan | DeltaRulePlan:
         outputs = self.program.outputs
         if len(outputs) != 1:
             raise _fail(outputs[-1].span if outputs else None, "the recurrence family compiles one output")

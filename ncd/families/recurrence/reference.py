@@ -114,3 +114,21 @@ def naive_simple_gla(q, k, v, g, scale=None, initial_state=None):
         s = g[:, t].exp()[..., None, None].to(q.dtype) * s + k[:, t, :, :, None] * v[:, t, :, None, :]
         outs.append(scale * (q[:, t, :, None, :] @ s)[..., 0, :])
     return torch.stack(outs, 1), s
+
+
+def naive_delta_rule(q, k, v, beta, g=None, scale=None, initial_state=None):
+    """The (gated) delta rule token by token, S_t = exp(g_t) (I - b_t k_t k_t^T) S_(t-1) + b_t k_t v_t^T (g None:
+    no gate), o_t = scale S_t^T q_t: returns (o [B, T, H, V], S_T [B, H, K, V]); computes in q's dtype (pass
+    float64 for an oracle), differentiable."""
+    B, T, heads, K = q.shape
+    scale = K ** -0.5 if scale is None else scale
+    s = q.new_zeros(B, heads, K, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
+    outs = []
+    for t in range(T):
+        if g is not None:
+            s = g[:, t].exp()[..., None, None].to(q.dtype) * s
+        kt = k[:, t, :, :, None]
+        u = beta[:, t, :, None].to(q.dtype) * (v[:, t] - (kt * s).sum(-2))
+        s = s + kt * u[..., None, :]
+        outs.append(scale * (q[:, t, :, None, :] @ s)[..., 0, :])
+    return torch.stack(outs, 1), s

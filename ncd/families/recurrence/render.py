@@ -14,6 +14,7 @@ import sympy
 
 from ncd import ir
 from ncd.codegen.shared import CodegenError, default_code, environment
+from ncd.families.recurrence.delta import DeltaRulePlan
 from ncd.families.recurrence.linear import LinearScanPlan
 from ncd.families.recurrence.plan import BETA, RIDGE, RecurrencePlan
 from ncd.source import origin_name
@@ -82,21 +83,36 @@ class _Roles:
 def render_linear_module(program: ir.Program, plan: LinearScanPlan, op_id: str) -> str:
     """The gated linear attention's module: its config and the op on kernel_linear.py's static kernels."""
     r = plan.roles
+    return _render_scan_module("linear_scan.py.jinja", program, plan, op_id, {r.q: "q", r.k: "k", r.v: "v", r.g: "g"},
+                               gate_per_head=r.gate_per_head)
+
+
+def render_delta_module(program: ir.Program, plan: DeltaRulePlan, op_id: str) -> str:
+    """The (gated) delta rule's module: its config and the op on kernel_delta.py's static kernels."""
+    r = plan.roles
+    gate = ["g"] if r.g else []
+    return _render_scan_module("delta_rule.py.jinja", program, plan, op_id,
+                               {r.q: "q", r.k: "k", r.v: "v", r.beta: "beta", **({r.g: "g"} if r.g else {})},
+                               gated=r.g is not None, chunk_args=", ".join(["q", "k", "v", *gate, "beta", "scale"]))
+
+
+def _render_scan_module(template: str, program: ir.Program, plan: LinearScanPlan | DeltaRulePlan, op_id: str,
+                        by_role: dict[str, str], **extra: object) -> str:
+    r = plan.roles
     inputs = list(program.inputs)
-    by_role = {r.q: "q", r.k: "k", r.v: "v", r.g: "g", r.scale: "scale"}
+    by_role = {**by_role, **({r.scale: "scale"} if r.scale else {})}
     scale_input = program.tensor(r.scale) if r.scale else None
     scale_default = "1.0" if scale_input is None else (
         default_code(program, scale_input) if scale_input.default is not None else "None")
-    axes = {role: tuple(program.tensor(name).axes) for role, name in
-            (("q", r.q), ("k", r.k), ("v", r.v), ("g", r.g), ("o", r.output))}
-    text = environment().get_template("linear_scan.py.jinja").render(
+    axes = {role: tuple(program.tensor(name).axes) for name, role in by_role.items() if role != "scale"}
+    axes["o"] = tuple(program.tensor(r.output).axes)
+    text = environment().get_template(template).render(
         spec_name=program.name, op_id=op_id, origin_file=origin_name(program.source.filename), roles=_Roles(r),
         origins=plan.origins, config_repr={f.name: repr(getattr(plan.config, f.name)) for f in fields(plan.config)},
         params=[t.name if t.default is None else f"{t.name}=None" for t in inputs],
         required=[f"({t.name!r}, {t.name})" for t in inputs if t.default is None],
         call_args=", ".join(f"{by_role[t.name]}={t.name}" for t in inputs), scale_default=scale_default,
-        scale_present=r.scale is not None, head_first=r.head_first, gate_per_head=r.gate_per_head,
-        axes_table=repr({a.name: (a.fixed, a.factors) for a in program.axes}),
-        axes=axes)
+        scale_present=r.scale is not None, head_first=r.head_first,
+        axes_table=repr({a.name: (a.fixed, a.factors) for a in program.axes}), axes=axes, **extra)
     ast.parse(text)  # the template must always produce valid Python
     return text

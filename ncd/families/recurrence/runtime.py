@@ -40,7 +40,7 @@ class Roles:
     q: str
     k: str
     v: str
-    g: str
+    g: str | None  # None: no gate (the delta rule)
     beta: str | None
     alpha: str | None
     scale: str | None
@@ -91,7 +91,9 @@ class ScanOp(ABC):
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: Any, alpha: Any,
                initial_state: Any, cu_seqlens: Any, chunk_size: int) -> dict[str, int]:
         r = self.roles
-        tensors = [(r.q, q, r.axes["q"]), (r.k, k, r.axes["k"]), (r.v, v, r.axes["v"]), (r.g, g, r.axes["g"])]
+        tensors = [(r.q, q, r.axes["q"]), (r.k, k, r.axes["k"]), (r.v, v, r.axes["v"])]
+        if g is not None:
+            tensors.append((r.g or "g", g, r.axes["g"]))
         if beta is not None:
             tensors.append((r.beta or "beta", beta, r.axes["beta"]))
         if alpha is not None:
@@ -149,9 +151,10 @@ class ScanOp(ABC):
     def _check_presence(self, q: Any, k: Any, v: Any, g: Any, beta: Any, alpha: Any, scale: Any) -> None:
         r = self.roles
         for name, t in ((r.q, q), (r.k, k), (r.v, v), (r.g, g)):
-            if not isinstance(t, torch.Tensor):
+            if name is not None and not isinstance(t, torch.Tensor):
                 raise CallError(None, detail=f"{self.spec_name}: {name} must be a tensor, got {type(t).__name__}")
-        for name, t, in_spec in (("beta", beta, r.beta is not None), ("alpha", alpha, r.alpha is not None)):
+        for name, t, in_spec in (("g", g, r.g is not None), ("beta", beta, r.beta is not None),
+                                 ("alpha", alpha, r.alpha is not None)):
             if t is not None and not in_spec:
                 raise CallError(None, detail=f"{self.spec_name}: the spec has no {name} input, so {name} must be "
                                 "None; it would be ignored")

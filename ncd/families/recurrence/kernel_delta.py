@@ -1,0 +1,448 @@
+"""Chunked delta rule and gated delta rule (DeltaNet, Gated DeltaNet): forward, backward and decoding kernels, the
+same for every spec of that form.
+
+The recurrence, per (sequence, head), t along time, S [key, value] (fla's layout; the spec's S transposed):
+    S_t = exp(g_t) (I - b_t k_t k_t^T) S_(t-1) + b_t k_t v_t^T,   o_t = scale S_t^T q_t      (no gate: g = 0)
+Each token writes the correction u_t = b_t (v_t - exp(g_t) S_(t-1)^T k_t), S_t = exp(g_t) S_(t-1) + k_t u_t^T.
+Chunked form through the UT / WY representation (chunk C; G the cumulative log gate inside the chunk, Gc its total;
+D_ts = exp(G_t - G_s) for s <= t; S_c the state the chunk starts from):
+    A = strict_lower(diag(b) (k k^T) o D),  T = (I + A)^-1                 (forward substitution: _wy)
+    W = T diag(b exp(G)) k,  U = T diag(b) v                                (_wy, parallel over chunks)
+    u = U - W S_c;  S_(c+1) = exp(Gc) S_c + (k o exp(Gc - G))^T u          (sequential over chunks: _scan)
+    o = scale ((q o exp(G)) S_c + ((q k^T) o D) u)                          (parallel over chunks: _output)
+Backward (dS_c: the gradient of the state after chunk c; P = scale (q k^T) o D):
+    du = P^T do + (k o exp(Gc - G)) dS_c;  dS_(c-1) = exp(Gc) dS_c + scale (q o exp(G))^T do - W^T du   (_rscan)
+    per chunk (_grads): dW = -du S_c^T, dT = du (b v)^T + dW (b exp(G) k)^T, dA = -T^T dT T^T (strictly lower),
+    dv = b T^T du, dk from W, A, P and the end state, db from U, W and A, and dG_t (the exponents' rows minus their
+    columns, plus Gc's terms at the chunk's last token), whose reverse sum inside the chunk is dg.
+Every exponent is a difference G_t - G_s with s <= t inside one chunk, or a chunk's partial or full total: never
+positive (g <= 0), so nothing overflows. Products multiply the inputs' 16-bit values (T and the weighted operands
+rounded to them, as fla does) or, for fp32 inputs, tf32x3 ones; accumulation is fp32; T is solved in fp32.
+
+Non-finite inputs: a non-finite key, beta or gate (NaN, +inf) at token t makes the outputs NaN from t on, a
+non-finite value entry (t, j) value column j from t on, a non-finite query its own row: exactly where the float64
+recurrence has them (the kernels zero those entries in their products and put NaN where they reach). The gradients
+are non-finite at least where the recurrence's are.
+
+forward(config, q, k, v, g, b, s_init, cu_seqlens, scale, chunk, final) -> (o, s_fin)
+backward(config, do, ds_fin, q, k, v, g, b, s_init, cu_seqlens, scale, chunk) -> (dq, dk, dv, dg, db, ds_init)
+recurrent(config, q, k, v, g, b, s_init, scale) -> (o, s_fin): decoding, token by token from a state.
+q, k [B, T, H, K], v [B, T, H, V], g (None: no gate) and b [B, T, H]; states [N, H, K, V] fp32; cu_seqlens packs
+N sequences into B = 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ncd.families.recurrence.kernel import (
+    _decay_mask,
+    _dot,
+    _empty,
+    _load_cols,
+    _load_rows_raw,
+    _pow2,
+    _sequence,
+    chunk_table,
+)
+from ncd.families.recurrence.kernel_linear import (
+    G_FLOOR,
+    _causal,
+    _chunk_rows,
+    _gates,
+    _head_dims,
+    _operand,
+    _state_dtype,
+    grad_precision,
+    precision,
+)
+from ncd.launch import fast as _fast
+
+
+@triton.jit
+def _chunk_gates(g_ptr, rows, valid, H, GATED: tl.constexpr, BT: tl.constexpr):
+    """Cumulative log gates inside the chunk and their total (_gates); zeros without a gate."""
+    if GATED:
+        return _gates(g_ptr, rows, valid, H)
+    else:
+        zero = tl.zeros((BT,), tl.float32)
+        return zero, tl.sum(zero, 0)
+
+
+@triton.jit
+def _unit_lower_inverse(a, BT: tl.constexpr):
+    """(I + A)^-1 of a strictly lower-triangular A, by forward substitution in fp32: row i of the inverse is e_i -
+    sum_j A_ij (row j of the inverse), over j < i (A_ij = 0 for j >= i, whose rows are still e_j)."""
+    t = tl.arange(0, BT)
+    inv = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        a_row = tl.sum(tl.where(t[:, None] == i, a, 0.0), 0)
+        row = (t == i).to(tl.float32) - tl.sum(a_row[:, None] * inv, 0)
+        inv = tl.where(t[:, None] == i, row[None, :], inv)
+    return inv
+
+
+@triton.jit
+def _wy(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, t_ptr, chunk_start_ptr, chunk_end_ptr, H, K, V,
+        GATED: tl.constexpr, STORE_T: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        PREC: tl.constexpr):
+    """W = T diag(b exp(G)) k and U = T diag(b) v of one chunk and head (module docstring); T too with STORE_T (the
+    backward's). Non-finite entries are zeroed before the products and put back as NaN where they reach: a bad
+    key, beta or gate row makes the W and U rows NaN from it on, a bad value entry its U column."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
+    t = tl.arange(0, BT)
+    ck, cv = tl.arange(0, BK), tl.arange(0, BV)
+    k = _load_rows_raw(k_ptr + h * K, rows, valid, H * K, 0, ck, K)
+    v = _load_rows_raw(v_ptr + h * V, rows, valid, H * V, 0, cv, V)
+    b = tl.load(b_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
+    bad = (tl.max(((k - k) != 0).to(tl.int32), 1) > 0) | ((b - b) != 0)
+    if GATED:
+        g = tl.load(g_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
+        bad = bad | (g != g) | (g == float("inf"))
+        g = tl.where(bad | (g < G_FLOOR), tl.where(bad, 0.0, G_FLOOR), g)
+        gc = tl.cumsum(g, 0)
+    else:
+        gc = tl.zeros((BT,), tl.float32)
+    bad_v = (v - v) != 0
+    k = tl.where(bad[:, None], 0.0, k).to(k.dtype)
+    v = tl.where(bad_v, 0.0, v).to(v.dtype)
+    b = tl.where(bad, 0.0, b)
+    a = _dot(k, tl.trans(k), PREC) * _decay_mask(gc, BT)
+    a = tl.where(t[None, :] < t[:, None], a * b[:, None], 0.0)
+    inv = _unit_lower_inverse(a, BT)
+    inv_op = _operand(inv, k, PREC)
+    w = _dot(inv_op, _operand(k.to(tl.float32) * (b * tl.exp(gc))[:, None], k, PREC), PREC)
+    u = _dot(inv_op, _operand(v.to(tl.float32) * b[:, None], v, PREC), PREC)
+    first_bad = tl.min(tl.where(bad, t, BT), 0)
+    first_bad_v = tl.min(tl.where(bad_v, t[:, None], BT), 0)  # per value column
+    w = tl.where(t[:, None] >= first_bad, float("nan"), w)
+    u = tl.where(t[:, None] >= tl.minimum(first_bad_v, first_bad)[None, :], float("nan"), u)
+    tl.store(w_ptr + rows[:, None] * (H * K) + h * K + ck[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=valid[:, None] & (ck[None, :] < K))
+    tl.store(u_ptr + rows[:, None] * (H * V) + h * V + cv[None, :], u.to(u_ptr.dtype.element_ty),
+             mask=valid[:, None] & (cv[None, :] < V))
+    if STORE_T:
+        tl.store(t_ptr + rows[:, None] * (H * BT) + h * BT + t[None, :], inv, mask=valid[:, None])
+
+
+@triton.jit
+def _scan(k_ptr, w_ptr, u_ptr, g_ptr, init_ptr, states_ptr, un_ptr, final_ptr, seq_first_ptr, chunk_start_ptr,
+          chunk_end_ptr, H, K, V, GATED: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
+          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """A [K, BV] column block of the states of one sequence and head, sequential over its chunks: each chunk's
+    incoming state S_c is stored, then u = U - W S_c (stored: the output's values) and S = exp(Gc) S_c + (k o
+    exp(Gc - G))^T u. Value columns are independent in the delta rule; the key rows are not (W S_c)."""
+    i_v, nh = tl.program_id(0), tl.program_id(1)
+    n, h = nh // H, nh % H
+    ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    tile_mask = (ck[:, None] < K) & (cv[None, :] < V)
+    tile = ck[:, None] * V + cv[None, :]
+    if HAS_INIT:
+        state = tl.load(init_ptr + nh.to(tl.int64) * K * V + tile, mask=tile_mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros((BK, BV), tl.float32)
+    first, last, bos, eos = _sequence(seq_first_ptr, chunk_start_ptr, chunk_end_ptr, n)
+    for c in range(first, last):
+        tl.store(states_ptr + (c * H + h).to(tl.int64) * K * V + tile, state.to(states_ptr.dtype.element_ty),
+                 mask=tile_mask)
+        rows = bos + (c - first) * BT + tl.arange(0, BT)
+        valid = rows < eos
+        gc, gtot = _chunk_gates(g_ptr + h, rows, valid, H, GATED, BT)
+        w = _load_rows_raw(w_ptr + h * K, rows, valid, H * K, 0, ck, K)
+        u = _load_rows_raw(u_ptr + h * V, rows, valid, H * V, 0, cv, V).to(tl.float32)
+        u = u - _dot(w, _operand(state, w, PREC), PREC)
+        tl.store(un_ptr + rows[:, None] * (H * V) + h * V + cv[None, :], u.to(un_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (cv[None, :] < V))
+        kt = _load_cols(k_ptr + h * K, rows, valid, H * K, ck, K)
+        state = _dot(_operand(kt.to(tl.float32) * tl.exp(gtot - gc)[None, :], kt, PREC), _operand(u, kt, PREC),
+                     PREC, state * tl.exp(gtot))
+    if STORE_FINAL:
+        tl.store(final_ptr + nh.to(tl.int64) * K * V + tile, state, mask=tile_mask)
+
+
+@triton.jit
+def _output(q_ptr, k_ptr, g_ptr, states_ptr, un_ptr, o_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, K, V,
+            GATED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """o for one chunk, head and [BV] block of values: scale (exp(G) o (q S_c) + ((q k^T) o D) u). A non-finite u
+    entry (from a bad input at or before its row) is zeroed in the product and NaN from its row on, in its column:
+    0 * NaN would carry it to the chunk's earlier rows."""
+    i_v, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
+    gc, _ = _chunk_gates(g_ptr + h, rows, valid, H, GATED, BT)
+    cv = i_v * BV + tl.arange(0, BV)
+    ck = tl.arange(0, BK)
+    q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
+    kt = _load_cols(k_ptr + h * K, rows, valid, H * K, ck, K)
+    s0 = tl.load(states_ptr + (c * H + h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
+                 mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
+    o = _dot(q, s0.to(q.dtype), PREC) * tl.exp(gc)[:, None]
+    scores = _causal(_dot(q, kt, PREC) * _decay_mask(gc, BT), BT)
+    u = _load_rows_raw(un_ptr + h * V, rows, valid, H * V, 0, cv, V)
+    bad = (u - u) != 0
+    o = _dot(_operand(scores, u, PREC), tl.where(bad, 0.0, u).to(u.dtype), PREC, o) * scale
+    reached = tl.dot(_causal(tl.full((BT, BT), 1.0, tl.float16), BT).to(tl.float16), bad.to(tl.float16))
+    o = tl.where(reached > 0, float("nan"), o)
+    tl.store(o_ptr + rows[:, None] * (H * V) + h * V + cv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=valid[:, None] & (cv[None, :] < V))
+
+
+@triton.jit
+def _rscan(q_ptr, k_ptr, w_ptr, g_ptr, do_ptr, dfinal_ptr, dstates_ptr, du_ptr, dinit_ptr, seq_first_ptr,
+           chunk_start_ptr, chunk_end_ptr, scale, H, K, V, GATED: tl.constexpr, HAS_DFINAL: tl.constexpr,
+           STORE_DINIT: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """The states' gradients, last chunk first, a [K, BV] column block: each chunk's dS_c (after it) is stored,
+    then du = P^T do + (k o exp(Gc - G)) dS_c (stored) and dS_(c-1) = exp(Gc) dS_c + scale (q o exp(G))^T do -
+    W^T du; the last carry is the initial state's gradient."""
+    i_v, nh = tl.program_id(0), tl.program_id(1)
+    n, h = nh // H, nh % H
+    ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    tile_mask = (ck[:, None] < K) & (cv[None, :] < V)
+    tile = ck[:, None] * V + cv[None, :]
+    if HAS_DFINAL:
+        ds = tl.load(dfinal_ptr + nh.to(tl.int64) * K * V + tile, mask=tile_mask, other=0.0).to(tl.float32)
+    else:
+        ds = tl.zeros((BK, BV), tl.float32)
+    first, last, bos, eos = _sequence(seq_first_ptr, chunk_start_ptr, chunk_end_ptr, n)
+    for i in range(first, last):
+        c = first + last - 1 - i
+        tl.store(dstates_ptr + (c * H + h).to(tl.int64) * K * V + tile, ds.to(dstates_ptr.dtype.element_ty),
+                 mask=tile_mask)
+        rows = bos + (c - first) * BT + tl.arange(0, BT)
+        valid = rows < eos
+        gc, gtot = _chunk_gates(g_ptr + h, rows, valid, H, GATED, BT)
+        q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
+        k = _load_rows_raw(k_ptr + h * K, rows, valid, H * K, 0, ck, K)
+        w = _load_rows_raw(w_ptr + h * K, rows, valid, H * K, 0, ck, K)
+        do = _load_rows_raw(do_ptr + h * V, rows, valid, H * V, 0, cv, V)
+        scores_t = tl.trans(_causal(_dot(q, tl.trans(k), PREC) * _decay_mask(gc, BT), BT) * scale)
+        du = _dot(_operand(k.to(tl.float32) * tl.exp(gtot - gc)[:, None], k, PREC), _operand(ds, k, PREC), PREC)
+        du = _dot(_operand(scores_t, do, PREC), do, PREC, du)
+        tl.store(du_ptr + rows[:, None] * (H * V) + h * V + cv[None, :], du, mask=valid[:, None] & (cv[None, :] < V))
+        ds = ds * tl.exp(gtot)
+        ds = _dot(_operand(tl.trans(q.to(tl.float32) * (scale * tl.exp(gc))[:, None]), q, PREC), do, PREC, ds)
+        ds = ds - _dot(tl.trans(w), _operand(du, w, PREC), PREC)
+    if STORE_DINIT:
+        tl.store(dinit_ptr + nh.to(tl.int64) * K * V + tile, ds, mask=tile_mask)
+
+
+@triton.jit
+def _grads(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, do_ptr, t_ptr, states_ptr, dstates_ptr, un_ptr, du_ptr, dq_ptr,
+           dk_ptr, dv_ptr, db_ptr, dg_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, K, V, GATED: tl.constexpr,
+           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """dq, dk, dv, db and dg of one chunk and head, the values in [BV] blocks (module docstring). dG_t collects
+    every exponent's derivative: +E where G_t is the row of a decay entry E, -E where it is the column, Gc's terms
+    at the chunk's last token; dg_t is its reverse sum inside the chunk (G is cumulative in the chunk only)."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
+    t = tl.arange(0, BT)
+    gc, gtot = _chunk_gates(g_ptr + h, rows, valid, H, GATED, BT)
+    ck = tl.arange(0, BK)
+    q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
+    k = _load_rows_raw(k_ptr + h * K, rows, valid, H * K, 0, ck, K)
+    b = tl.load(b_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
+    inv = tl.load(t_ptr + rows[:, None] * (H * BT) + h * BT + t[None, :], mask=valid[:, None], other=0.0)
+    inv_t = _operand(tl.trans(inv), q, PREC)
+    decay = _decay_mask(gc, BT)
+    eg, to_end = tl.exp(gc), tl.exp(gtot - gc)
+    kg = k.to(tl.float32) * eg[:, None]
+    part = (c * H + h).to(tl.int64) * K * V
+    dq = tl.zeros((BT, BK), tl.float32)
+    dk_end = tl.zeros((BT, BK), tl.float32)  # u dS_c^T: the end state's key factor
+    dw = tl.zeros((BT, BK), tl.float32)
+    dp = tl.zeros((BT, BT), tl.float32)  # do u^T
+    dt = tl.zeros((BT, BT), tl.float32)
+    db = tl.zeros((BT,), tl.float32)
+    dg_q = tl.zeros((BT,), tl.float32)  # do . (q S_c)
+    ds_s = tl.sum(tl.zeros((BT,), tl.float32), 0)  # <dS_c, S_c>
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        tile_mask = (ck[:, None] < K) & (cv[None, :] < V)
+        tile = ck[:, None] * V + cv[None, :]
+        do = _load_rows_raw(do_ptr + h * V, rows, valid, H * V, 0, cv, V)
+        v = _load_rows_raw(v_ptr + h * V, rows, valid, H * V, 0, cv, V)
+        u = _load_rows_raw(un_ptr + h * V, rows, valid, H * V, 0, cv, V)
+        du = _load_rows_raw(du_ptr + h * V, rows, valid, H * V, 0, cv, V)
+        s0 = tl.load(states_ptr + part + tile, mask=tile_mask, other=0.0)
+        ds = tl.load(dstates_ptr + part + tile, mask=tile_mask, other=0.0)
+        s0_op, ds_op, du_op = _operand(s0, q, PREC), _operand(ds, q, PREC), _operand(du, q, PREC)
+        dg_q += tl.sum(do.to(tl.float32) * _dot(q, s0_op, PREC), 1)
+        ds_s += tl.sum(tl.sum(ds * s0.to(tl.float32), 1), 0)
+        dq = _dot(do, tl.trans(s0_op), PREC, dq)
+        dp = _dot(do, tl.trans(_operand(u, do, PREC)), PREC, dp)
+        dk_end = _dot(_operand(u, q, PREC), tl.trans(ds_op), PREC, dk_end)
+        dw = _dot(du_op, tl.trans(s0_op), PREC, dw)
+        dv_t = _dot(inv_t, du_op, PREC)  # T^T du
+        tl.store(dv_ptr + rows[:, None] * (H * V) + h * V + cv[None, :],
+                 (dv_t * b[:, None]).to(dv_ptr.dtype.element_ty), mask=valid[:, None] & (cv[None, :] < V))
+        db += tl.sum(dv_t * v.to(tl.float32), 1)
+        dt = _dot(du_op, tl.trans(_operand(v.to(tl.float32) * b[:, None], q, PREC)), PREC, dt)
+    dw = -dw
+    # W = T diag(b) kg
+    dt = _dot(_operand(dw, q, PREC), tl.trans(_operand(kg * b[:, None], q, PREC)), PREC, dt)
+    dkg = _dot(inv_t, _operand(dw, q, PREC), PREC)  # T^T dW
+    kg_term = tl.sum(dkg * kg, 1)
+    db += kg_term
+    dg = kg_term * b
+    dk = dkg * (b * eg)[:, None]
+    # A = strict_lower(diag(b) (k k^T) o D), T = (I + A)^-1
+    da = -_dot(inv_t, _operand(_dot(_operand(dt, q, PREC), inv_t, PREC), q, PREC), PREC)
+    strict = t[None, :] < t[:, None]
+    kk = _dot(k, tl.trans(k), PREC)
+    da_d = tl.where(strict, da * decay, 0.0)
+    db += tl.sum(da_d * kk, 1)
+    m = _operand(da_d * b[:, None], q, PREC)
+    dk = _dot(m, k, PREC, dk)
+    dk = _dot(tl.trans(m), k, PREC, dk)
+    y = da_d * kk * b[:, None]
+    dg += tl.sum(y, 1) - tl.sum(y, 0)
+    # o = scale (exp(G) o (q S_c) + ((q k^T) o D) u)
+    dpm = _causal(dp * decay, BT) * scale
+    dpm_op = _operand(dpm, q, PREC)
+    dq = _dot(dpm_op, k, PREC, dq * (scale * eg)[:, None])
+    dk = _dot(tl.trans(dpm_op), q, PREC, dk)
+    x = dpm * _dot(q, tl.trans(k), PREC)
+    dg += tl.sum(x, 1) - tl.sum(x, 0) + dg_q * scale * eg
+    # S_(c+1) = exp(Gc) S_c + (k o exp(Gc - G))^T u
+    dk += dk_end * to_end[:, None]
+    z = tl.sum(dk_end * k.to(tl.float32) * to_end[:, None], 1)
+    last_row = tl.max(tl.where(valid, t, 0), 0)
+    dg = dg - z + tl.where(t == last_row, tl.sum(z, 0) + tl.exp(gtot) * ds_s, 0.0)
+    dg = tl.where(valid, dg, 0.0)
+    dg = tl.sum(dg, 0) - tl.cumsum(dg, 0) + dg
+    at = rows[:, None] * (H * K) + h * K + ck[None, :]
+    mask = valid[:, None] & (ck[None, :] < K)
+    tl.store(dq_ptr + at, dq.to(dq_ptr.dtype.element_ty), mask=mask)
+    tl.store(dk_ptr + at, dk.to(dk_ptr.dtype.element_ty), mask=mask)
+    tl.store(db_ptr + rows * H + h, db, mask=valid)
+    if GATED:
+        tl.store(dg_ptr + rows * H + h, dg, mask=valid)
+
+
+@triton.jit
+def _step(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, init_ptr, o_ptr, final_ptr, scale, T, H, K, V, GATED: tl.constexpr,
+          HAS_INIT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Decoding: one [K, BV] state column block of one (sequence, head) in registers across the call's tokens."""
+    i_v, bh = tl.program_id(0), tl.program_id(1)
+    batch, head = bh // H, bh % H
+    ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    k_ok, v_ok = ck < K, cv < V
+    tile = bh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
+    tile_mask = k_ok[:, None] & v_ok[None, :]
+    if HAS_INIT:
+        state = tl.load(init_ptr + tile, mask=tile_mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros((BK, BV), tl.float32)
+    one = tl.zeros([1], dtype=tl.int32)
+    for t in range(T):
+        tok = (batch.to(tl.int64) * T + t) * H + head
+        q = tl.load(q_ptr + tok * K + ck, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + tok * K + ck, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + tok * V + cv, mask=v_ok, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + tok + one).to(tl.float32)
+        if GATED:
+            g = tl.load(g_ptr + tok + one).to(tl.float32)
+            state = tl.exp(tl.where(g < G_FLOOR, G_FLOOR, g))[:, None] * state
+        u = b * (v - tl.sum(state * k[:, None], 0))
+        state = state + k[:, None] * u[None, :]
+        o = scale * tl.sum(state * q[:, None], 0)
+        tl.store(o_ptr + tok * V + cv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(final_ptr + tile, state, mask=tile_mask)
+
+
+# --- launchers ---------------------------------------------------------------------------------------------
+
+
+def _wy_pass(config, k, v, g, b, table, chunk, prec, store_t):
+    heads, K, V = k.shape[2], k.shape[3], v.shape[3]
+    poison, n_chunks = config.poison_outputs, table[4]
+    dtype = _state_dtype(k, prec)
+    w = _empty(k.shape, dtype, k.device, poison)
+    u = _empty(v.shape, dtype, v.device, poison)
+    inv = _empty((*k.shape[:3], chunk), torch.float32, k.device, poison) if store_t else w
+    _fast(_wy)[(n_chunks, heads)](k, v, g if g is not None else b, b, w, u, inv, table[1], table[2], heads, K, V,
+                                  GATED=g is not None, STORE_T=store_t, BT=chunk, BK=max(16, _pow2(K)),
+                                  BV=max(16, _pow2(V)), PREC=prec, num_warps=4)
+    return w, u, (inv if store_t else None)
+
+
+def _column_block(config, V):
+    return min(config.scan_tiles[1], max(16, _pow2(V)))
+
+
+def _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, final):
+    first, start, end, n_seq, n_chunks, _ = table
+    heads, K, V = k.shape[2], k.shape[3], u.shape[3]
+    bv, warps = _column_block(config, V), config.scan_tiles[2]
+    poison = config.poison_outputs
+    states = _empty((n_chunks, heads, K, V), _state_dtype(k, prec), k.device, poison)
+    un = _empty(u.shape, _state_dtype(k, prec), u.device, poison)
+    s_fin = _empty((n_seq, heads, K, V), torch.float32, k.device, poison) if final else states
+    _fast(_scan)[(triton.cdiv(V, bv), n_seq * heads)](
+        k, w, u, g if g is not None else u, s_init if s_init is not None else states, states, un, s_fin, first,
+        start, end, heads, K, V, GATED=g is not None, HAS_INIT=s_init is not None, STORE_FINAL=final, BT=chunk,
+        BK=max(16, _pow2(K)), BV=bv, PREC=prec, num_warps=warps)
+    return states, un, (s_fin if final else None)
+
+
+def forward(config, q, k, v, g, b, s_init, cu_seqlens, scale, chunk, final):
+    B, T, heads, _ = q.shape
+    K, V, bk = _head_dims(q, v)
+    table = chunk_table(B, T, cu_seqlens, chunk, q.device)
+    prec = precision(config, q.dtype)
+    w, u, _ = _wy_pass(config, k, v, g, b, table, chunk, prec, False)
+    states, un, s_fin = _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, final)
+    o = _empty((*q.shape[:3], V), v.dtype, v.device, config.poison_outputs)
+    bv = min(64, max(16, _pow2(V)))
+    _fast(_output)[(triton.cdiv(V, bv), table[4], heads)](
+        q, k, g if g is not None else b, states, un, o, table[1], table[2], float(scale), heads, K, V,
+        GATED=g is not None, BT=chunk, BK=bk, BV=bv, PREC=prec, num_warps=4)
+    return o, s_fin
+
+
+def backward(config, do, ds_fin, q, k, v, g, b, s_init, cu_seqlens, scale, chunk):
+    """(dq, dk, dv, dg, db, ds_init); dg None without a gate, ds_init None without s_init."""
+    B, T, heads, _ = q.shape
+    K, V, bk = _head_dims(q, v)
+    table = chunk_table(B, T, cu_seqlens, chunk, q.device)
+    first, start, end, n_seq, n_chunks, _ = table
+    prec = grad_precision(config, q.dtype)
+    do = do.contiguous()
+    poison = config.poison_outputs
+    w, u, inv = _wy_pass(config, k, v, g, b, table, chunk, prec, True)
+    states, un, _ = _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, False)
+    bv, warps = _column_block(config, V), config.scan_tiles[2]
+    dstates = _empty((n_chunks, heads, K, V), torch.float32, q.device, poison)
+    du = _empty(v.shape, torch.float32, v.device, poison)
+    ds_init = _empty((n_seq, heads, K, V), torch.float32, q.device, poison) if s_init is not None else None
+    gate = g if g is not None else b
+    _fast(_rscan)[(triton.cdiv(V, bv), n_seq * heads)](
+        q, k, w, gate, do, ds_fin if ds_fin is not None else dstates, dstates, du,
+        ds_init if ds_init is not None else dstates, first, start, end, float(scale), heads, K, V,
+        GATED=g is not None, HAS_DFINAL=ds_fin is not None, STORE_DINIT=s_init is not None, BT=chunk, BK=bk, BV=bv,
+        PREC=prec, num_warps=warps)
+    dq = _empty(q.shape, q.dtype, q.device, poison)
+    dk = _empty(k.shape, k.dtype, k.device, poison)
+    dv = _empty(v.shape, v.dtype, v.device, poison)
+    db = _empty(b.shape, torch.float32, b.device, poison)
+    dg = _empty(g.shape, torch.float32, g.device, poison) if g is not None else db
+    _fast(_grads)[(n_chunks, heads)](q, k, v, gate, b, do, inv, states, dstates, un, du, dq, dk, dv, db, dg,
+                                     start, end, float(scale), heads, K, V, GATED=g is not None, BT=chunk, BK=bk,
+                                     BV=min(64, max(16, _pow2(V))), PREC=prec, num_warps=8)
+    return dq, dk, dv, (dg.to(g.dtype) if g is not None else None), db.to(b.dtype), ds_init
+
+
+def recurrent(config, q, k, v, g, b, s_init, scale):
+    B, T, heads, _ = q.shape
+    K, V, bk = _head_dims(q, v)
+    q, k, v, b = (t.contiguous() for t in (q, k, v, b))
+    g = g.contiguous() if g is not None else b
+    o = _empty((B, T, heads, V), v.dtype, v.device, config.poison_outputs)
+    s_fin = torch.empty((B, heads, K, V), dtype=torch.float32, device=q.device)
+    bv = min(32, max(16, _pow2(V)))
+    _fast(_step)[(triton.cdiv(V, bv), B * heads)](
+        q, k, v, g, b, s_init.contiguous() if s_init is not None else s_fin, o, s_fin, float(scale), T, heads, K, V,
+        GATED=g is not b, HAS_INIT=s_init is not None, BK=bk, BV=bv, num_warps=4)
+    return o, s_fin
