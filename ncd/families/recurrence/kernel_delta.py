@@ -6,8 +6,8 @@ The recurrence, per (sequence, head), t along time, S [key, value] (fla's layout
 Each token writes the correction u_t = b_t (v_t - exp(g_t) S_(t-1)^T k_t), S_t = exp(g_t) S_(t-1) + k_t u_t^T.
 Chunked form through the UT / WY representation (chunk C; G the cumulative log gate inside the chunk, Gc its total;
 D_ts = exp(G_t - G_s) for s <= t; S_c the state the chunk starts from):
-    A = strict_lower(diag(b) (k k^T) o D),  T = (I + A)^-1                 (forward substitution: _wy)
-    W = T diag(b exp(G)) k,  U = T diag(b) v                                (_wy, parallel over chunks)
+    A = strict_lower(diag(b) (k k^T) o D),  T = (I + A)^-1                 (blocks of 16 rows: _solve)
+    W = T diag(b exp(G)) k,  U = T diag(b) v                                (_wu, parallel over chunks)
     u = U - W S_c;  S_(c+1) = exp(Gc) S_c + (k o exp(Gc - G))^T u          (sequential over chunks: _scan)
     o = scale ((q o exp(G)) S_c + ((q k^T) o D) u)                          (parallel over chunks: _output)
 Backward (dS_c: the gradient of the state after chunk c; P = scale (q k^T) o D):
@@ -85,47 +85,133 @@ def _unit_lower_inverse(a, BT: tl.constexpr):
 
 
 @triton.jit
-def _wy(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, t_ptr, chunk_start_ptr, chunk_end_ptr, H, K, V,
-        GATED: tl.constexpr, STORE_T: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        PREC: tl.constexpr):
-    """W = T diag(b exp(G)) k and U = T diag(b) v of one chunk and head (module docstring); T too with STORE_T (the
-    backward's). Non-finite entries are zeroed before the products and put back as NaN where they reach: a bad
-    key, beta or gate row makes the W and U rows NaN from it on, a bad value entry its U column."""
-    c, h = tl.program_id(0), tl.program_id(1)
-    rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
-    t = tl.arange(0, BT)
-    ck, cv = tl.arange(0, BK), tl.arange(0, BV)
-    k = _load_rows_raw(k_ptr + h * K, rows, valid, H * K, 0, ck, K)
-    v = _load_rows_raw(v_ptr + h * V, rows, valid, H * V, 0, cv, V)
+def _block_keys(k_ptr, g_ptr, b_ptr, bos, eos, h, H, K, I: tl.constexpr, GATED: tl.constexpr, BK: tl.constexpr,
+                BT: tl.constexpr):
+    """Rows 16 I .. 16 I + 15 of a chunk: k [16, BK] and b with the bad rows (a non-finite key, beta or gate)
+    zeroed, the log gates (floored; zero on bad rows) and the first bad row's index in the chunk (BT: none)."""
+    r = tl.arange(0, 16)
+    rows = bos + I * 16 + r
+    valid = rows < eos
+    k = _load_rows_raw(k_ptr + h * K, rows, valid, H * K, 0, tl.arange(0, BK), K)
     b = tl.load(b_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
     bad = (tl.max(((k - k) != 0).to(tl.int32), 1) > 0) | ((b - b) != 0)
     if GATED:
         g = tl.load(g_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
         bad = bad | (g != g) | (g == float("inf"))
-        g = tl.where(bad | (g < G_FLOOR), tl.where(bad, 0.0, G_FLOOR), g)
-        gc = tl.cumsum(g, 0)
+        g = tl.where(bad, 0.0, tl.where(g < G_FLOOR, G_FLOOR, g))
     else:
-        gc = tl.zeros((BT,), tl.float32)
-    bad_v = (v - v) != 0
-    k = tl.where(bad[:, None], 0.0, k).to(k.dtype)
-    v = tl.where(bad_v, 0.0, v).to(v.dtype)
-    b = tl.where(bad, 0.0, b)
-    a = _dot(k, tl.trans(k), PREC) * _decay_mask(gc, BT)
-    a = tl.where(t[None, :] < t[:, None], a * b[:, None], 0.0)
-    inv = _unit_lower_inverse(a, BT)
-    inv_op = _operand(inv, k, PREC)
-    w = _dot(inv_op, _operand(k.to(tl.float32) * (b * tl.exp(gc))[:, None], k, PREC), PREC)
-    u = _dot(inv_op, _operand(v.to(tl.float32) * b[:, None], v, PREC), PREC)
-    first_bad = tl.min(tl.where(bad, t, BT), 0)
-    first_bad_v = tl.min(tl.where(bad_v, t[:, None], BT), 0)  # per value column
-    w = tl.where(t[:, None] >= first_bad, float("nan"), w)
-    u = tl.where(t[:, None] >= tl.minimum(first_bad_v, first_bad)[None, :], float("nan"), u)
-    tl.store(w_ptr + rows[:, None] * (H * K) + h * K + ck[None, :], w.to(w_ptr.dtype.element_ty),
-             mask=valid[:, None] & (ck[None, :] < K))
-    tl.store(u_ptr + rows[:, None] * (H * V) + h * V + cv[None, :], u.to(u_ptr.dtype.element_ty),
-             mask=valid[:, None] & (cv[None, :] < V))
-    if STORE_T:
-        tl.store(t_ptr + rows[:, None] * (H * BT) + h * BT + t[None, :], inv, mask=valid[:, None])
+        g = tl.zeros((16,), tl.float32)
+    return (rows, valid, tl.where(bad[:, None], 0.0, k).to(k.dtype), tl.where(bad, 0.0, b), g,
+            tl.min(tl.where(bad, I * 16 + r, BT), 0))
+
+
+@triton.jit
+def _a_block(ki, kj, bi, gi, gj, DIAG: tl.constexpr, PREC: tl.constexpr):
+    """A_IJ = diag(b_I) (k_I k_J^T) o exp(G_I - G_J): strictly lower on the diagonal (DIAG), whole below it."""
+    a = _dot(ki, tl.trans(kj), PREC) * bi[:, None]
+    if DIAG:
+        r = tl.arange(0, 16)
+        below = r[None, :] < r[:, None]
+        return tl.where(below, a * tl.exp(tl.where(below, gi[:, None] - gj[None, :], 0.0)), 0.0)
+    else:
+        return a * tl.exp(gi[:, None] - gj[None, :])
+
+
+@triton.jit
+def _solve(k_ptr, g_ptr, b_ptr, t_ptr, bad_ptr, chunk_start_ptr, chunk_end_ptr, H, K, GATED: tl.constexpr,
+           BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr):
+    """T = (I + A)^-1 of one chunk and head (module docstring; lower triangle stored), by blocks of 16 rows as
+    fla's solve: each diagonal block by forward substitution, the blocks below by T_IJ = -T_II sum_(J <= M < I)
+    A_IM T_MJ (MERGE: tf32x3 products for fp32 inputs; TF32 for 16-bit ones, whose products round T to 16 bits
+    anyway, as fla's). Bad rows (a non-finite key, beta or gate) are left out of A; the first one's index in the
+    chunk (BT: none) is stored for _wu, which puts NaN where they reach."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    bos, eos = tl.load(chunk_start_ptr + c), tl.load(chunk_end_ptr + c)
+    NB: tl.constexpr = BT // 16
+    r = tl.arange(0, 16)
+    t_at = t_ptr + h * BT
+    rows0, ok0, k0, b0, g0, bad = _block_keys(k_ptr, g_ptr, b_ptr, bos, eos, h, H, K, 0, GATED, BK, BT)
+    g0 = tl.cumsum(g0, 0)
+    t00 = _unit_lower_inverse(_a_block(k0, k0, b0, g0, g0, True, PREC), 16)
+    _store_t(t_at, rows0, ok0, H * BT, 0, t00)
+    if NB >= 2:
+        rows1, ok1, k1, b1, g1, bad1 = _block_keys(k_ptr, g_ptr, b_ptr, bos, eos, h, H, K, 1, GATED, BK, BT)
+        g1 = tl.cumsum(g1, 0) + tl.sum(tl.where(r == 15, g0, 0.0), 0)
+        t11 = _unit_lower_inverse(_a_block(k1, k1, b1, g1, g1, True, PREC), 16)
+        t10 = -_dot(t11, _dot(_a_block(k1, k0, b1, g1, g0, False, PREC), t00, MERGE), MERGE)
+        _store_t(t_at, rows1, ok1, H * BT, 0, t10)
+        _store_t(t_at, rows1, ok1, H * BT, 16, t11)
+        bad = tl.minimum(bad, bad1)
+    if NB >= 4:
+        rows2, ok2, k2, b2, g2, bad2 = _block_keys(k_ptr, g_ptr, b_ptr, bos, eos, h, H, K, 2, GATED, BK, BT)
+        g2 = tl.cumsum(g2, 0) + tl.sum(tl.where(r == 15, g1, 0.0), 0)
+        t22 = _unit_lower_inverse(_a_block(k2, k2, b2, g2, g2, True, PREC), 16)
+        a21 = _a_block(k2, k1, b2, g2, g1, False, PREC)
+        t21 = -_dot(t22, _dot(a21, t11, MERGE), MERGE)
+        t20 = -_dot(t22, _dot(a21, t10, MERGE, _dot(_a_block(k2, k0, b2, g2, g0, False, PREC), t00, MERGE)), MERGE)
+        _store_t(t_at, rows2, ok2, H * BT, 0, t20)
+        _store_t(t_at, rows2, ok2, H * BT, 16, t21)
+        _store_t(t_at, rows2, ok2, H * BT, 32, t22)
+        rows3, ok3, k3, b3, g3, bad3 = _block_keys(k_ptr, g_ptr, b_ptr, bos, eos, h, H, K, 3, GATED, BK, BT)
+        g3 = tl.cumsum(g3, 0) + tl.sum(tl.where(r == 15, g2, 0.0), 0)
+        t33 = _unit_lower_inverse(_a_block(k3, k3, b3, g3, g3, True, PREC), 16)
+        a31 = _a_block(k3, k1, b3, g3, g1, False, PREC)
+        a32 = _a_block(k3, k2, b3, g3, g2, False, PREC)
+        t32 = -_dot(t33, _dot(a32, t22, MERGE), MERGE)
+        t31 = -_dot(t33, _dot(a32, t21, MERGE, _dot(a31, t11, MERGE)), MERGE)
+        t30 = -_dot(t33, _dot(a32, t20, MERGE, _dot(a31, t10, MERGE, _dot(
+            _a_block(k3, k0, b3, g3, g0, False, PREC), t00, MERGE))), MERGE)
+        _store_t(t_at, rows3, ok3, H * BT, 0, t30)
+        _store_t(t_at, rows3, ok3, H * BT, 16, t31)
+        _store_t(t_at, rows3, ok3, H * BT, 32, t32)
+        _store_t(t_at, rows3, ok3, H * BT, 48, t33)
+        bad = tl.minimum(bad, tl.minimum(bad2, bad3))
+    tl.store(bad_ptr + c * H + h, bad)
+
+
+@triton.jit
+def _wu(k_ptr, v_ptr, g_ptr, b_ptr, t_ptr, bad_ptr, w_ptr, u_ptr, chunk_start_ptr, chunk_end_ptr, H, K, V,
+        GATED: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """W = T diag(b exp(G)) k and U = T diag(b) v of one chunk and head, [BC] columns at a time (T from _solve,
+    rounded to the products' operand type, as fla does). Non-finite entries are zeroed before the products and put
+    back as NaN where they reach: the W and U rows from the chunk's first bad key, beta or gate row on (_solve's
+    index), a bad value entry's U column from its row on."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
+    t = tl.arange(0, BT)
+    first_bad = tl.load(bad_ptr + c * H + h)
+    bad = t >= first_bad
+    b = tl.where(bad, 0.0, tl.load(b_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32))
+    if GATED:
+        g = tl.load(g_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
+        scaling = b * tl.exp(tl.cumsum(tl.where(bad, 0.0, tl.where(g < G_FLOOR, G_FLOOR, g)), 0))
+    else:
+        scaling = b
+    inv = tl.load(t_ptr + rows[:, None] * (H * BT) + h * BT + t[None, :], mask=valid[:, None] & (t[None, :] <= t[:, None]),
+                  other=0.0)
+    for c0 in range(0, K, BC):
+        col = c0 + tl.arange(0, BC)
+        k = _load_rows_raw(k_ptr + h * K, rows, valid, H * K, 0, col, K)
+        w = _dot(_operand(inv, k, PREC), _operand(tl.where(bad[:, None], 0.0, k.to(tl.float32)) * scaling[:, None],
+                                                  k, PREC), PREC)
+        w = tl.where(bad[:, None], float("nan"), w)
+        tl.store(w_ptr + rows[:, None] * (H * K) + h * K + col[None, :], w.to(w_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (col[None, :] < K))
+    for c0 in range(0, V, BC):
+        col = c0 + tl.arange(0, BC)
+        v = _load_rows_raw(v_ptr + h * V, rows, valid, H * V, 0, col, V)
+        bad_v = (v - v) != 0
+        u = _dot(_operand(inv, v, PREC), _operand(tl.where(bad_v, 0.0, v.to(tl.float32)) * b[:, None], v, PREC), PREC)
+        first_bad_v = tl.min(tl.where(bad_v, t[:, None], BT), 0)
+        u = tl.where(bad[:, None] | (t[:, None] >= first_bad_v[None, :]), float("nan"), u)
+        tl.store(u_ptr + rows[:, None] * (H * V) + h * V + col[None, :], u.to(u_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (col[None, :] < V))
+
+
+@triton.jit
+def _store_t(ptr, rows, valid, stride, col0, x):
+    r = tl.arange(0, 16)
+    tl.store(ptr + rows[:, None] * stride + col0 + r[None, :], x, mask=valid[:, None])
 
 
 @triton.jit
@@ -166,25 +252,34 @@ def _scan(k_ptr, w_ptr, u_ptr, g_ptr, init_ptr, states_ptr, un_ptr, final_ptr, s
 @triton.jit
 def _output(q_ptr, k_ptr, g_ptr, states_ptr, un_ptr, o_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, K, V,
             GATED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """o for one chunk, head and [BV] block of values: scale (exp(G) o (q S_c) + ((q k^T) o D) u). A non-finite u
-    entry (from a bad input at or before its row) is zeroed in the product and NaN from its row on, in its column:
-    0 * NaN would carry it to the chunk's earlier rows."""
+    """o for one chunk, head and [BV] block of values: scale (exp(G) o (q S_c) + ((q k^T) o D) u), the keys in
+    [BK] blocks. A non-finite u entry (from a bad input at or before its row) takes a separate path: zeroed in the
+    product and NaN from its row on, in its column (0 * NaN would carry it to the chunk's earlier rows)."""
     i_v, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
     gc, _ = _chunk_gates(g_ptr + h, rows, valid, H, GATED, BT)
     cv = i_v * BV + tl.arange(0, BV)
-    ck = tl.arange(0, BK)
-    q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
-    kt = _load_cols(k_ptr + h * K, rows, valid, H * K, ck, K)
-    s0 = tl.load(states_ptr + (c * H + h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
-                 mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
-    o = _dot(q, s0.to(q.dtype), PREC) * tl.exp(gc)[:, None]
-    scores = _causal(_dot(q, kt, PREC) * _decay_mask(gc, BT), BT)
+    part = (c * H + h).to(tl.int64) * K * V
+    o = tl.zeros((BT, BV), tl.float32)
+    scores = tl.zeros((BT, BT), tl.float32)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
+        kt = _load_cols(k_ptr + h * K, rows, valid, H * K, ck, K)
+        s0 = tl.load(states_ptr + part + ck[:, None] * V + cv[None, :], mask=(ck[:, None] < K) & (cv[None, :] < V),
+                     other=0.0)
+        o = _dot(q, s0.to(q.dtype), PREC, o)
+        scores = _dot(q, kt, PREC, scores)
+    o = o * tl.exp(gc)[:, None]
+    scores = _operand(_causal(scores * _decay_mask(gc, BT), BT), q, PREC)
     u = _load_rows_raw(un_ptr + h * V, rows, valid, H * V, 0, cv, V)
     bad = (u - u) != 0
-    o = _dot(_operand(scores, u, PREC), tl.where(bad, 0.0, u).to(u.dtype), PREC, o) * scale
-    reached = tl.dot(_causal(tl.full((BT, BT), 1.0, tl.float16), BT).to(tl.float16), bad.to(tl.float16))
-    o = tl.where(reached > 0, float("nan"), o)
+    if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
+        o = _dot(scores, tl.where(bad, 0.0, u).to(u.dtype), PREC, o) * scale
+        reached = tl.dot(_causal(tl.full((BT, BT), 1.0, tl.float16), BT).to(tl.float16), bad.to(tl.float16))
+        o = tl.where(reached > 0, float("nan"), o)
+    else:
+        o = _dot(scores, u, PREC, o) * scale
     tl.store(o_ptr + rows[:, None] * (H * V) + h * V + cv[None, :], o.to(o_ptr.dtype.element_ty),
              mask=valid[:, None] & (cv[None, :] < V))
 
@@ -243,7 +338,8 @@ def _grads(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, do_ptr, t_ptr, states_ptr, dstates
     q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
     k = _load_rows_raw(k_ptr + h * K, rows, valid, H * K, 0, ck, K)
     b = tl.load(b_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
-    inv = tl.load(t_ptr + rows[:, None] * (H * BT) + h * BT + t[None, :], mask=valid[:, None], other=0.0)
+    inv = tl.load(t_ptr + rows[:, None] * (H * BT) + h * BT + t[None, :], mask=valid[:, None] & (t[None, :] <= t[:, None]),
+                  other=0.0)
     inv_t = _operand(tl.trans(inv), q, PREC)
     decay = _decay_mask(gc, BT)
     eg, to_end = tl.exp(gc), tl.exp(gtot - gc)
@@ -355,27 +451,43 @@ def _step(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, init_ptr, o_ptr, final_ptr, scale, 
 # --- launchers ---------------------------------------------------------------------------------------------
 
 
-def _wy_pass(config, k, v, g, b, table, chunk, prec, store_t):
+def _wy_pass(config, k, v, g, b, table, chunk, prec):
+    """(W, U, T): the UT transform of every chunk (_solve, then _wu)."""
     heads, K, V = k.shape[2], k.shape[3], v.shape[3]
     poison, n_chunks = config.poison_outputs, table[4]
     dtype = _state_dtype(k, prec)
+    inv = _empty((*k.shape[:3], chunk), dtype, k.device, poison)
+    first_bad = torch.empty((n_chunks, heads), dtype=torch.int32, device=k.device)
+    gate = g if g is not None else b
+    _fast(_solve)[(n_chunks, heads)](k, gate, b, inv, first_bad, table[1], table[2], heads, K, GATED=g is not None,
+                                     BT=chunk, BK=max(16, _pow2(K)), PREC=prec,
+                                     MERGE="tf32" if prec in ("bf16", "fp16", "tf32") else "tf32x3",
+                                     num_warps=_SOLVE_WARPS)
     w = _empty(k.shape, dtype, k.device, poison)
     u = _empty(v.shape, dtype, v.device, poison)
-    inv = _empty((*k.shape[:3], chunk), torch.float32, k.device, poison) if store_t else w
-    _fast(_wy)[(n_chunks, heads)](k, v, g if g is not None else b, b, w, u, inv, table[1], table[2], heads, K, V,
-                                  GATED=g is not None, STORE_T=store_t, BT=chunk, BK=max(16, _pow2(K)),
-                                  BV=max(16, _pow2(V)), PREC=prec, num_warps=4)
-    return w, u, (inv if store_t else None)
+    _fast(_wu)[(n_chunks, heads)](k, v, gate, b, inv, first_bad, w, u, table[1], table[2], heads, K, V,
+                                  GATED=g is not None, BT=chunk, BC=_WU[0], PREC=prec, num_warps=_WU[1])
+    return w, u, inv
 
 
 def _column_block(config, V):
     return min(config.scan_tiles[1], max(16, _pow2(V)))
 
 
+# spills and shared memory of the kernels at K = V = 128, BT = 64 (sm_90, Triton 3.6, compiled ahead of time): 4
+# warps spill 0.7-7 KB per thread in every kernel but the output; 3 stages need 224-352 KB of shared memory in
+# the scans and the gradients (fp32 inputs), over the H100's 227 KB
+_WARPS, _STAGES = 8, 2
+_SCAN = (4, 3, 2)  # warps, stages for 16-bit operands, for fp32 ones (3 need 224 KB there)
+_OUTPUT = (64, 8, 2)  # value columns per block, warps, stages
+_SOLVE_WARPS = 2  # fla's kkt_solve autotunes 1, 2, 4: [16, 16] blocks reduce within fewer warps
+_WU = (64, 4)  # columns per block, warps
+
+
 def _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, final):
     first, start, end, n_seq, n_chunks, _ = table
     heads, K, V = k.shape[2], k.shape[3], u.shape[3]
-    bv, warps = _column_block(config, V), config.scan_tiles[2]
+    bv = _column_block(config, V)
     poison = config.poison_outputs
     states = _empty((n_chunks, heads, K, V), _state_dtype(k, prec), k.device, poison)
     un = _empty(u.shape, _state_dtype(k, prec), u.device, poison)
@@ -383,7 +495,8 @@ def _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, final):
     _fast(_scan)[(triton.cdiv(V, bv), n_seq * heads)](
         k, w, u, g if g is not None else u, s_init if s_init is not None else states, states, un, s_fin, first,
         start, end, heads, K, V, GATED=g is not None, HAS_INIT=s_init is not None, STORE_FINAL=final, BT=chunk,
-        BK=max(16, _pow2(K)), BV=bv, PREC=prec, num_warps=warps)
+        BK=max(16, _pow2(K)), BV=bv, PREC=prec, num_warps=_SCAN[0], num_stages=_SCAN[1 if prec in ("bf16", "fp16")
+                                                                                          else 2])
     return states, un, (s_fin if final else None)
 
 
@@ -392,13 +505,14 @@ def forward(config, q, k, v, g, b, s_init, cu_seqlens, scale, chunk, final):
     K, V, bk = _head_dims(q, v)
     table = chunk_table(B, T, cu_seqlens, chunk, q.device)
     prec = precision(config, q.dtype)
-    w, u, _ = _wy_pass(config, k, v, g, b, table, chunk, prec, False)
+    w, u, _ = _wy_pass(config, k, v, g, b, table, chunk, prec)
     states, un, s_fin = _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, final)
     o = _empty((*q.shape[:3], V), v.dtype, v.device, config.poison_outputs)
-    bv = min(64, max(16, _pow2(V)))
+    bv, warps, stages = _OUTPUT
+    bv = min(bv, max(16, _pow2(V)))
     _fast(_output)[(triton.cdiv(V, bv), table[4], heads)](
         q, k, g if g is not None else b, states, un, o, table[1], table[2], float(scale), heads, K, V,
-        GATED=g is not None, BT=chunk, BK=bk, BV=bv, PREC=prec, num_warps=4)
+        GATED=g is not None, BT=chunk, BK=min(bk, 64), BV=bv, PREC=prec, num_warps=warps, num_stages=stages)
     return o, s_fin
 
 
@@ -411,9 +525,9 @@ def backward(config, do, ds_fin, q, k, v, g, b, s_init, cu_seqlens, scale, chunk
     prec = grad_precision(config, q.dtype)
     do = do.contiguous()
     poison = config.poison_outputs
-    w, u, inv = _wy_pass(config, k, v, g, b, table, chunk, prec, True)
+    w, u, inv = _wy_pass(config, k, v, g, b, table, chunk, prec)
     states, un, _ = _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, False)
-    bv, warps = _column_block(config, V), config.scan_tiles[2]
+    bv = min(32, _column_block(config, V))
     dstates = _empty((n_chunks, heads, K, V), torch.float32, q.device, poison)
     du = _empty(v.shape, torch.float32, v.device, poison)
     ds_init = _empty((n_seq, heads, K, V), torch.float32, q.device, poison) if s_init is not None else None
@@ -422,7 +536,7 @@ def backward(config, do, ds_fin, q, k, v, g, b, s_init, cu_seqlens, scale, chunk
         q, k, w, gate, do, ds_fin if ds_fin is not None else dstates, dstates, du,
         ds_init if ds_init is not None else dstates, first, start, end, float(scale), heads, K, V,
         GATED=g is not None, HAS_DFINAL=ds_fin is not None, STORE_DINIT=s_init is not None, BT=chunk, BK=bk, BV=bv,
-        PREC=prec, num_warps=warps)
+        PREC=prec, num_warps=_WARPS, num_stages=_STAGES)
     dq = _empty(q.shape, q.dtype, q.device, poison)
     dk = _empty(k.shape, k.dtype, k.device, poison)
     dv = _empty(v.shape, v.dtype, v.device, poison)
@@ -430,7 +544,7 @@ def backward(config, do, ds_fin, q, k, v, g, b, s_init, cu_seqlens, scale, chunk
     dg = _empty(g.shape, torch.float32, g.device, poison) if g is not None else db
     _fast(_grads)[(n_chunks, heads)](q, k, v, gate, b, do, inv, states, dstates, un, du, dq, dk, dv, db, dg,
                                      start, end, float(scale), heads, K, V, GATED=g is not None, BT=chunk, BK=bk,
-                                     BV=min(64, max(16, _pow2(V))), PREC=prec, num_warps=8)
+                                     BV=min(32, max(16, _pow2(V))), PREC=prec, num_warps=8, num_stages=1)
     return dq, dk, dv, (dg.to(g.dtype) if g is not None else None), db.to(b.dtype), ds_init
 
 
