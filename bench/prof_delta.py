@@ -54,11 +54,10 @@ def sweep(name, attr, values, kernel):
     setattr(kd, attr, default)
 
 
-sweep("solve warps", "_SOLVE_WARPS", (1, 2, 4), "_solve")
-sweep("wu (BC, warps)", "_WU", ((32, 4), (64, 4), (64, 8), (128, 8)), "_wu")
-sweep("scan (warps, stages)", "_SCAN", ((4, 3, 2), (4, 2, 2), (8, 3, 2)), "_scan")
-sweep("output (BV, warps, stages)", "_OUTPUT", ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (64, 4, 3),
-                                                (128, 8, 3), (64, 4, 1), (32, 4, 2)), "_output")
+sweep("wu (BC, warps)", "_WU", ((64, 4), (64, 2), (128, 4)), "_wu")
+sweep("output (BK, BV, warps, stages)", "_OUTPUT", ((64, 128, 4, 2), (64, 64, 8, 2), (128, 128, 4, 2),
+                                                    (128, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2),
+                                                    (64, 64, 4, 3)), "_output")
 leaves = [t.clone().requires_grad_() for t in (q, k, v, g, b)]
 o = m.chunk(*leaves)[0]
 do = torch.randn_like(o)

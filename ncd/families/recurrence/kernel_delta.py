@@ -215,12 +215,14 @@ def _store_t(ptr, rows, valid, stride, col0, x):
 
 
 @triton.jit
-def _scan(k_ptr, w_ptr, u_ptr, g_ptr, init_ptr, states_ptr, un_ptr, final_ptr, seq_first_ptr, chunk_start_ptr,
-          chunk_end_ptr, H, K, V, GATED: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _scan(k_ptr, w_ptr, u_ptr, g_ptr, init_ptr, states_ptr, un_ptr, final_ptr, flags_ptr, seq_first_ptr,
+          chunk_start_ptr, chunk_end_ptr, H, K, V, GATED: tl.constexpr, HAS_INIT: tl.constexpr,
+          STORE_FINAL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """A [K, BV] column block of the states of one sequence and head, sequential over its chunks: each chunk's
     incoming state S_c is stored, then u = U - W S_c (stored: the output's values) and S = exp(Gc) S_c + (k o
-    exp(Gc - G))^T u. Value columns are independent in the delta rule; the key rows are not (W S_c)."""
+    exp(Gc - G))^T u. Value columns are independent in the delta rule; the key rows are not (W S_c). Each chunk's
+    u tile is flagged when it holds a non-finite value (flags [chunks, H, tiles]): the output kernel takes its
+    exact path only there."""
     i_v, nh = tl.program_id(0), tl.program_id(1)
     n, h = nh // H, nh % H
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
@@ -242,6 +244,7 @@ def _scan(k_ptr, w_ptr, u_ptr, g_ptr, init_ptr, states_ptr, un_ptr, final_ptr, s
         u = u - _dot(w, _operand(state, w, PREC), PREC)
         tl.store(un_ptr + rows[:, None] * (H * V) + h * V + cv[None, :], u.to(un_ptr.dtype.element_ty),
                  mask=valid[:, None] & (cv[None, :] < V))
+        tl.store(flags_ptr + (c * H + h) * tl.num_programs(0) + i_v, tl.max(tl.max(((u - u) != 0).to(tl.int32), 1), 0))
         kt = _load_cols(k_ptr + h * K, rows, valid, H * K, ck, K)
         state = _dot(_operand(kt.to(tl.float32) * tl.exp(gtot - gc)[None, :], kt, PREC), _operand(u, kt, PREC),
                      PREC, state * tl.exp(gtot))
@@ -250,11 +253,13 @@ def _scan(k_ptr, w_ptr, u_ptr, g_ptr, init_ptr, states_ptr, un_ptr, final_ptr, s
 
 
 @triton.jit
-def _output(q_ptr, k_ptr, g_ptr, states_ptr, un_ptr, o_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, K, V,
-            GATED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _output(q_ptr, k_ptr, g_ptr, states_ptr, un_ptr, flags_ptr, o_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, K,
+            V, N_FLAGS, GATED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+            PREC: tl.constexpr, FLAGS: tl.constexpr):
     """o for one chunk, head and [BV] block of values: scale (exp(G) o (q S_c) + ((q k^T) o D) u), the keys in
-    [BK] blocks. A non-finite u entry (from a bad input at or before its row) takes a separate path: zeroed in the
-    product and NaN from its row on, in its column (0 * NaN would carry it to the chunk's earlier rows)."""
+    [BK] blocks. A chunk whose u holds a non-finite entry (from a bad input at or before its row; the scan's flags)
+    takes a separate path: the entry zeroed in the product and NaN from its row on, in its column (0 * NaN would
+    carry it to the chunk's earlier rows)."""
     i_v, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
     gc, _ = _chunk_gates(g_ptr + h, rows, valid, H, GATED, BT)
@@ -271,10 +276,12 @@ def _output(q_ptr, k_ptr, g_ptr, states_ptr, un_ptr, o_ptr, chunk_start_ptr, chu
         o = _dot(q, s0.to(q.dtype), PREC, o)
         scores = _dot(q, kt, PREC, scores)
     o = o * tl.exp(gc)[:, None]
-    scores = _operand(_causal(scores * _decay_mask(gc, BT), BT), q, PREC)
     u = _load_rows_raw(un_ptr + h * V, rows, valid, H * V, 0, cv, V)
-    bad = (u - u) != 0
-    if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
+    scores = _operand(_causal(scores * _decay_mask(gc, BT), BT), u, PREC)
+    flagged = tl.load(flags_ptr + (c * H + h) * N_FLAGS + tl.arange(0, FLAGS), mask=tl.arange(0, FLAGS) < N_FLAGS,
+                      other=0)
+    if tl.max(flagged, 0) > 0:
+        bad = (u - u) != 0
         o = _dot(scores, tl.where(bad, 0.0, u).to(u.dtype), PREC, o) * scale
         reached = tl.dot(_causal(tl.full((BT, BT), 1.0, tl.float16), BT).to(tl.float16), bad.to(tl.float16))
         o = tl.where(reached > 0, float("nan"), o)
@@ -479,8 +486,8 @@ def _column_block(config, V):
 # the scans and the gradients (fp32 inputs), over the H100's 227 KB
 _WARPS, _STAGES = 8, 2
 _SCAN = (4, 3, 2)  # warps, stages for 16-bit operands, for fp32 ones (3 need 224 KB there)
-_OUTPUT = (64, 8, 2)  # value columns per block, warps, stages
-_SOLVE_WARPS = 2  # fla's kkt_solve autotunes 1, 2, 4: [16, 16] blocks reduce within fewer warps
+_OUTPUT = (64, 128, 4, 2)  # key rows and value columns per block, warps, stages
+_SOLVE_WARPS = 1  # fla's kkt_solve autotunes 1, 2, 4: [16, 16] blocks reduce within fewer warps
 _WU = (64, 4)  # columns per block, warps
 
 
@@ -492,12 +499,13 @@ def _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, final):
     states = _empty((n_chunks, heads, K, V), _state_dtype(k, prec), k.device, poison)
     un = _empty(u.shape, _state_dtype(k, prec), u.device, poison)
     s_fin = _empty((n_seq, heads, K, V), torch.float32, k.device, poison) if final else states
+    flags = torch.empty((n_chunks, heads, triton.cdiv(V, bv)), dtype=torch.int32, device=k.device)
     _fast(_scan)[(triton.cdiv(V, bv), n_seq * heads)](
-        k, w, u, g if g is not None else u, s_init if s_init is not None else states, states, un, s_fin, first,
+        k, w, u, g if g is not None else u, s_init if s_init is not None else states, states, un, s_fin, flags, first,
         start, end, heads, K, V, GATED=g is not None, HAS_INIT=s_init is not None, STORE_FINAL=final, BT=chunk,
         BK=max(16, _pow2(K)), BV=bv, PREC=prec, num_warps=_SCAN[0], num_stages=_SCAN[1 if prec in ("bf16", "fp16")
                                                                                           else 2])
-    return states, un, (s_fin if final else None)
+    return states, un, (s_fin if final else None), flags
 
 
 def forward(config, q, k, v, g, b, s_init, cu_seqlens, scale, chunk, final):
@@ -506,13 +514,14 @@ def forward(config, q, k, v, g, b, s_init, cu_seqlens, scale, chunk, final):
     table = chunk_table(B, T, cu_seqlens, chunk, q.device)
     prec = precision(config, q.dtype)
     w, u, _ = _wy_pass(config, k, v, g, b, table, chunk, prec)
-    states, un, s_fin = _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, final)
+    states, un, s_fin, flags = _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, final)
     o = _empty((*q.shape[:3], V), v.dtype, v.device, config.poison_outputs)
-    bv, warps, stages = _OUTPUT
+    bk_out, bv, warps, stages = _OUTPUT
     bv = min(bv, max(16, _pow2(V)))
     _fast(_output)[(triton.cdiv(V, bv), table[4], heads)](
-        q, k, g if g is not None else b, states, un, o, table[1], table[2], float(scale), heads, K, V,
-        GATED=g is not None, BT=chunk, BK=min(bk, 64), BV=bv, PREC=prec, num_warps=warps, num_stages=stages)
+        q, k, g if g is not None else b, states, un, flags, o, table[1], table[2], float(scale), heads, K, V,
+        flags.shape[2], GATED=g is not None, BT=chunk, BK=min(bk, bk_out), BV=bv, PREC=prec,
+        FLAGS=max(2, _pow2(flags.shape[2])), num_warps=warps, num_stages=stages)
     return o, s_fin
 
 
@@ -526,7 +535,7 @@ def backward(config, do, ds_fin, q, k, v, g, b, s_init, cu_seqlens, scale, chunk
     do = do.contiguous()
     poison = config.poison_outputs
     w, u, inv = _wy_pass(config, k, v, g, b, table, chunk, prec)
-    states, un, _ = _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, False)
+    states, un, _, _ = _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, False)
     bv = min(32, _column_block(config, V))
     dstates = _empty((n_chunks, heads, K, V), torch.float32, q.device, poison)
     du = _empty(v.shape, torch.float32, v.device, poison)
