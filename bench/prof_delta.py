@@ -54,12 +54,4 @@ def sweep(name, attr, values, kernel):
     setattr(kd, attr, default)
 
 
-sweep("wu (BC, warps)", "_WU", ((64, 4), (64, 2), (128, 4)), "_wu")
-sweep("output (BK, BV, warps, stages)", "_OUTPUT", ((64, 128, 4, 2), (64, 64, 8, 2), (128, 128, 4, 2),
-                                                    (128, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2),
-                                                    (64, 64, 4, 3)), "_output")
-leaves = [t.clone().requires_grad_() for t in (q, k, v, g, b)]
-o = m.chunk(*leaves)[0]
-do = torch.randn_like(o)
-print("ncd fwd+bwd per call (us):")
-kernels(lambda: torch.autograd.grad(m.chunk(*leaves)[0], leaves, do), n=3, top=12)
+sweep("solve (warps, BK)", "_SOLVE", ((1, 32), (2, 32), (1, 64), (2, 64), (1, 128)), "_solve")

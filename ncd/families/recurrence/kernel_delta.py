@@ -85,30 +85,35 @@ def _unit_lower_inverse(a, BT: tl.constexpr):
 
 
 @triton.jit
-def _block_keys(k_ptr, g_ptr, b_ptr, bos, eos, h, H, K, I: tl.constexpr, GATED: tl.constexpr, BK: tl.constexpr,
-                BT: tl.constexpr):
-    """Rows 16 I .. 16 I + 15 of a chunk: k [16, BK] and b with the bad rows (a non-finite key, beta or gate)
-    zeroed, the log gates (floored; zero on bad rows) and the first bad row's index in the chunk (BT: none)."""
-    r = tl.arange(0, 16)
-    rows = bos + I * 16 + r
+def _block_scalars(g_ptr, b_ptr, bos, eos, h, H, I: tl.constexpr, GATED: tl.constexpr):
+    """Rows 16 I .. 16 I + 15 of a chunk: their positions, b and the log gates (floored), and which rows have a
+    non-finite beta or gate (NaN or +inf)."""
+    rows = bos + I * 16 + tl.arange(0, 16)
     valid = rows < eos
-    k = _load_rows_raw(k_ptr + h * K, rows, valid, H * K, 0, tl.arange(0, BK), K)
     b = tl.load(b_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
-    bad = (tl.max(((k - k) != 0).to(tl.int32), 1) > 0) | ((b - b) != 0)
+    bad = (b - b) != 0
     if GATED:
         g = tl.load(g_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
         bad = bad | (g != g) | (g == float("inf"))
         g = tl.where(bad, 0.0, tl.where(g < G_FLOOR, G_FLOOR, g))
     else:
         g = tl.zeros((16,), tl.float32)
-    return (rows, valid, tl.where(bad[:, None], 0.0, k).to(k.dtype), tl.where(bad, 0.0, b), g,
-            tl.min(tl.where(bad, I * 16 + r, BT), 0))
+    return rows, valid, b, g, bad
 
 
 @triton.jit
-def _a_block(ki, kj, bi, gi, gj, DIAG: tl.constexpr, PREC: tl.constexpr):
-    """A_IJ = diag(b_I) (k_I k_J^T) o exp(G_I - G_J): strictly lower on the diagonal (DIAG), whole below it."""
-    a = _dot(ki, tl.trans(kj), PREC) * bi[:, None]
+def _key_block(k_ptr, rows, valid, h, H, K, k0, BK: tl.constexpr):
+    """Columns k0 .. k0 + BK - 1 of a block's keys with non-finite entries zeroed, and which rows had one."""
+    k = _load_rows_raw(k_ptr + h * K, rows, valid, H * K, k0, tl.arange(0, BK), K)
+    finite = (k - k) == 0
+    return tl.where(finite, k, 0.0).to(k.dtype), tl.min(finite.to(tl.int32), 1) == 0
+
+
+@triton.jit
+def _a_block(kk, bi, gi, gj, DIAG: tl.constexpr):
+    """A_IJ = diag(b_I) (k_I k_J^T) o exp(G_I - G_J) from kk = k_I k_J^T: strictly lower on the diagonal (DIAG),
+    whole below it."""
+    a = kk * bi[:, None]
     if DIAG:
         r = tl.arange(0, 16)
         below = r[None, :] < r[:, None]
@@ -121,52 +126,86 @@ def _a_block(ki, kj, bi, gi, gj, DIAG: tl.constexpr, PREC: tl.constexpr):
 def _solve(k_ptr, g_ptr, b_ptr, t_ptr, bad_ptr, chunk_start_ptr, chunk_end_ptr, H, K, GATED: tl.constexpr,
            BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, MERGE: tl.constexpr):
     """T = (I + A)^-1 of one chunk and head (module docstring; lower triangle stored), by blocks of 16 rows as
-    fla's solve: each diagonal block by forward substitution, the blocks below by T_IJ = -T_II sum_(J <= M < I)
-    A_IM T_MJ (MERGE: tf32x3 products for fp32 inputs; TF32 for 16-bit ones, whose products round T to 16 bits
-    anyway, as fla's). Bad rows (a non-finite key, beta or gate) are left out of A; the first one's index in the
-    chunk (BT: none) is stored for _wu, which puts NaN where they reach."""
+    fla's solve: the ten k_I k_J^T blocks over [BK] key columns at a time, each diagonal block of T by forward
+    substitution, the blocks below by T_IJ = -T_II sum_(J <= M < I) A_IM T_MJ (MERGE: tf32x3 products for fp32
+    inputs; TF32 for 16-bit ones, whose products round T to 16 bits anyway, as fla's). A bad row (a non-finite
+    key, beta or gate) reaches only the rows of T after it (T is lower triangular); its index in the chunk (BT:
+    none) is stored for _wu, which puts NaN there."""
     c, h = tl.program_id(0), tl.program_id(1)
     bos, eos = tl.load(chunk_start_ptr + c), tl.load(chunk_end_ptr + c)
     NB: tl.constexpr = BT // 16
     r = tl.arange(0, 16)
     t_at = t_ptr + h * BT
-    rows0, ok0, k0, b0, g0, bad = _block_keys(k_ptr, g_ptr, b_ptr, bos, eos, h, H, K, 0, GATED, BK, BT)
-    g0 = tl.cumsum(g0, 0)
-    t00 = _unit_lower_inverse(_a_block(k0, k0, b0, g0, g0, True, PREC), 16)
-    _store_t(t_at, rows0, ok0, H * BT, 0, t00)
+    z = tl.zeros((16, 16), tl.float32)
+    rows0, ok0, b0, g0, bad0 = _block_scalars(g_ptr, b_ptr, bos, eos, h, H, 0, GATED)
+    kk00 = z
     if NB >= 2:
-        rows1, ok1, k1, b1, g1, bad1 = _block_keys(k_ptr, g_ptr, b_ptr, bos, eos, h, H, K, 1, GATED, BK, BT)
-        g1 = tl.cumsum(g1, 0) + tl.sum(tl.where(r == 15, g0, 0.0), 0)
-        t11 = _unit_lower_inverse(_a_block(k1, k1, b1, g1, g1, True, PREC), 16)
-        t10 = -_dot(t11, _dot(_a_block(k1, k0, b1, g1, g0, False, PREC), t00, MERGE), MERGE)
+        rows1, ok1, b1, g1, bad1 = _block_scalars(g_ptr, b_ptr, bos, eos, h, H, 1, GATED)
+        kk10, kk11 = z, z
+    if NB >= 4:
+        rows2, ok2, b2, g2, bad2 = _block_scalars(g_ptr, b_ptr, bos, eos, h, H, 2, GATED)
+        rows3, ok3, b3, g3, bad3 = _block_scalars(g_ptr, b_ptr, bos, eos, h, H, 3, GATED)
+        kk20, kk21, kk22, kk30, kk31, kk32, kk33 = z, z, z, z, z, z, z
+    for k0 in range(0, K, BK):
+        k0b, bad = _key_block(k_ptr, rows0, ok0, h, H, K, k0, BK)
+        bad0 = bad0 | bad
+        kk00 = _dot(k0b, tl.trans(k0b), PREC, kk00)
+        if NB >= 2:
+            k1b, bad = _key_block(k_ptr, rows1, ok1, h, H, K, k0, BK)
+            bad1 = bad1 | bad
+            kk10 = _dot(k1b, tl.trans(k0b), PREC, kk10)
+            kk11 = _dot(k1b, tl.trans(k1b), PREC, kk11)
+        if NB >= 4:
+            k2b, bad = _key_block(k_ptr, rows2, ok2, h, H, K, k0, BK)
+            bad2 = bad2 | bad
+            kk20 = _dot(k2b, tl.trans(k0b), PREC, kk20)
+            kk21 = _dot(k2b, tl.trans(k1b), PREC, kk21)
+            kk22 = _dot(k2b, tl.trans(k2b), PREC, kk22)
+            k3b, bad = _key_block(k_ptr, rows3, ok3, h, H, K, k0, BK)
+            bad3 = bad3 | bad
+            kk30 = _dot(k3b, tl.trans(k0b), PREC, kk30)
+            kk31 = _dot(k3b, tl.trans(k1b), PREC, kk31)
+            kk32 = _dot(k3b, tl.trans(k2b), PREC, kk32)
+            kk33 = _dot(k3b, tl.trans(k3b), PREC, kk33)
+    b0 = tl.where(bad0, 0.0, b0)
+    g0 = tl.cumsum(tl.where(bad0, 0.0, g0), 0)
+    t00 = _unit_lower_inverse(_a_block(kk00, b0, g0, g0, True), 16)
+    _store_t(t_at, rows0, ok0, H * BT, 0, t00)
+    first_bad = tl.min(tl.where(bad0, r, BT), 0)
+    if NB >= 2:
+        b1 = tl.where(bad1, 0.0, b1)
+        g1 = tl.cumsum(tl.where(bad1, 0.0, g1), 0) + tl.sum(tl.where(r == 15, g0, 0.0), 0)
+        t11 = _unit_lower_inverse(_a_block(kk11, b1, g1, g1, True), 16)
+        t10 = -_dot(t11, _dot(_a_block(kk10, b1, g1, g0, False), t00, MERGE), MERGE)
         _store_t(t_at, rows1, ok1, H * BT, 0, t10)
         _store_t(t_at, rows1, ok1, H * BT, 16, t11)
-        bad = tl.minimum(bad, bad1)
+        first_bad = tl.minimum(first_bad, tl.min(tl.where(bad1, 16 + r, BT), 0))
     if NB >= 4:
-        rows2, ok2, k2, b2, g2, bad2 = _block_keys(k_ptr, g_ptr, b_ptr, bos, eos, h, H, K, 2, GATED, BK, BT)
-        g2 = tl.cumsum(g2, 0) + tl.sum(tl.where(r == 15, g1, 0.0), 0)
-        t22 = _unit_lower_inverse(_a_block(k2, k2, b2, g2, g2, True, PREC), 16)
-        a21 = _a_block(k2, k1, b2, g2, g1, False, PREC)
+        b2 = tl.where(bad2, 0.0, b2)
+        g2 = tl.cumsum(tl.where(bad2, 0.0, g2), 0) + tl.sum(tl.where(r == 15, g1, 0.0), 0)
+        t22 = _unit_lower_inverse(_a_block(kk22, b2, g2, g2, True), 16)
+        a21 = _a_block(kk21, b2, g2, g1, False)
         t21 = -_dot(t22, _dot(a21, t11, MERGE), MERGE)
-        t20 = -_dot(t22, _dot(a21, t10, MERGE, _dot(_a_block(k2, k0, b2, g2, g0, False, PREC), t00, MERGE)), MERGE)
+        t20 = -_dot(t22, _dot(a21, t10, MERGE, _dot(_a_block(kk20, b2, g2, g0, False), t00, MERGE)), MERGE)
         _store_t(t_at, rows2, ok2, H * BT, 0, t20)
         _store_t(t_at, rows2, ok2, H * BT, 16, t21)
         _store_t(t_at, rows2, ok2, H * BT, 32, t22)
-        rows3, ok3, k3, b3, g3, bad3 = _block_keys(k_ptr, g_ptr, b_ptr, bos, eos, h, H, K, 3, GATED, BK, BT)
-        g3 = tl.cumsum(g3, 0) + tl.sum(tl.where(r == 15, g2, 0.0), 0)
-        t33 = _unit_lower_inverse(_a_block(k3, k3, b3, g3, g3, True, PREC), 16)
-        a31 = _a_block(k3, k1, b3, g3, g1, False, PREC)
-        a32 = _a_block(k3, k2, b3, g3, g2, False, PREC)
+        b3 = tl.where(bad3, 0.0, b3)
+        g3 = tl.cumsum(tl.where(bad3, 0.0, g3), 0) + tl.sum(tl.where(r == 15, g2, 0.0), 0)
+        t33 = _unit_lower_inverse(_a_block(kk33, b3, g3, g3, True), 16)
+        a31 = _a_block(kk31, b3, g3, g1, False)
+        a32 = _a_block(kk32, b3, g3, g2, False)
         t32 = -_dot(t33, _dot(a32, t22, MERGE), MERGE)
         t31 = -_dot(t33, _dot(a32, t21, MERGE, _dot(a31, t11, MERGE)), MERGE)
-        t30 = -_dot(t33, _dot(a32, t20, MERGE, _dot(a31, t10, MERGE, _dot(
-            _a_block(k3, k0, b3, g3, g0, False, PREC), t00, MERGE))), MERGE)
+        t30 = -_dot(t33, _dot(a32, t20, MERGE, _dot(a31, t10, MERGE, _dot(_a_block(kk30, b3, g3, g0, False), t00,
+                                                                          MERGE))), MERGE)
         _store_t(t_at, rows3, ok3, H * BT, 0, t30)
         _store_t(t_at, rows3, ok3, H * BT, 16, t31)
         _store_t(t_at, rows3, ok3, H * BT, 32, t32)
         _store_t(t_at, rows3, ok3, H * BT, 48, t33)
-        bad = tl.minimum(bad, tl.minimum(bad2, bad3))
-    tl.store(bad_ptr + c * H + h, bad)
+        first_bad = tl.minimum(first_bad, tl.min(tl.where(bad2, 32 + r, BT), 0))
+        first_bad = tl.minimum(first_bad, tl.min(tl.where(bad3, 48 + r, BT), 0))
+    tl.store(bad_ptr + c * H + h, first_bad)
 
 
 @triton.jit
@@ -467,9 +506,9 @@ def _wy_pass(config, k, v, g, b, table, chunk, prec):
     first_bad = torch.empty((n_chunks, heads), dtype=torch.int32, device=k.device)
     gate = g if g is not None else b
     _fast(_solve)[(n_chunks, heads)](k, gate, b, inv, first_bad, table[1], table[2], heads, K, GATED=g is not None,
-                                     BT=chunk, BK=max(16, _pow2(K)), PREC=prec,
+                                     BT=chunk, BK=min(_SOLVE[1], max(16, _pow2(K))), PREC=prec,
                                      MERGE="tf32" if prec in ("bf16", "fp16", "tf32") else "tf32x3",
-                                     num_warps=_SOLVE_WARPS)
+                                     num_warps=_SOLVE[0])
     w = _empty(k.shape, dtype, k.device, poison)
     u = _empty(v.shape, dtype, v.device, poison)
     _fast(_wu)[(n_chunks, heads)](k, v, gate, b, inv, first_bad, w, u, table[1], table[2], heads, K, V,
@@ -487,7 +526,7 @@ def _column_block(config, V):
 _WARPS, _STAGES = 8, 2
 _SCAN = (4, 3, 2)  # warps, stages for 16-bit operands, for fp32 ones (3 need 224 KB there)
 _OUTPUT = (64, 128, 4, 2)  # key rows and value columns per block, warps, stages
-_SOLVE_WARPS = 1  # fla's kkt_solve autotunes 1, 2, 4: [16, 16] blocks reduce within fewer warps
+_SOLVE = (1, 64)  # warps ([16, 16] blocks reduce within one: 523 us against 687 with 2, 1273 with 4), key columns
 _WU = (64, 4)  # columns per block, warps
 
 
