@@ -526,7 +526,8 @@ def _column_block(config, V):
 _WARPS, _STAGES = 8, 2
 _SCAN = (4, 3, 2)  # warps, stages for 16-bit operands, for fp32 ones (3 need 224 KB there)
 _OUTPUT = (64, 128, 4, 2)  # key rows and value columns per block, warps, stages
-_SOLVE = (1, 64)  # warps ([16, 16] blocks reduce within one: 523 us against 687 with 2, 1273 with 4), key columns
+_SOLVE = (1, 32)  # warps, key columns per step: one warp reduces the [16, 16] blocks fastest (H100, T 16k, H 16: 508 us;
+# 547 with 64 columns, 773 and 912 with two warps; bench/log/2026-11-27-issue33.md)
 _WU = (64, 4)  # columns per block, warps
 
 
