@@ -131,7 +131,8 @@ def main() -> int:
     parser.add_argument("--hs", default="8,16")
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--fwd-only", action="store_true", help="time the forward only")
-X
+    parser.add_argument("--skip-check", action="store_true",
+                        help="timings only (the check's fla calls autotune for minutes)")
     parser.add_argument("--op", default="simple_gla", choices=sorted(OPS))
     args = parser.parse_args()
     global OP
