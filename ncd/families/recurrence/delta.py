@@ -238,9 +238,9 @@ def recognize_delta(rec: _Recognizer, out: str, value: ir.Contract, scale: str |
     betas = [n for n in scalars if n not in gated]
     others = [n for n in loads if n not in (*keys, *values, *scalars)]
     if others:
-        raise _fail(program.tensor(others[0]).span, f"{others[0]} is declared [{' '.join(program.tensor(others[0]).axes)}]"
-                    f"; the delta rule reads per-token vectors [{' '.join(token_axes)} dim] and scalars "
-                    f"[{' '.join(token_axes)}]")
+        other = program.tensor(others[0])
+        raise _fail(other.span, f"{other.name} is declared [{' '.join(other.axes)}]; the delta rule reads "
+                    f"per-token vectors [{' '.join(token_axes)} dim] and scalars [{' '.join(token_axes)}]")
     if len(keys) != 1 or len(values) != 1 or len(gates) > 1 or len(betas) != 1:
         raise _fail(scan.body, f"expected {s_name}'s update to read one key vector (on '{kdim}'), one value vector, "
                     "one writing strength beta and at most one log gate inside exp(...) (the delta rule "

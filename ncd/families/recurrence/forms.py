@@ -15,13 +15,13 @@ from ncd.validation_forms import FP32, Forms
 
 
 class RecurrenceForms(Forms):
-    """Gated KalmaNet, gated linear attention and the delta rule: the default chunk size at the spec's sizes; chunk sizes 16 and
-    32 (three and two chunks at 37 tokens), packed sequences (`cu_seqlens`), a chained call through
+    """Gated KalmaNet, gated linear attention and the delta rule: the default chunk size at the spec's sizes; chunk
+    sizes 16 and 32 (three and two chunks at 37 tokens), packed sequences (`cu_seqlens`), a chained call through
     `initial_state`/`output_final_state`, and decoding (`recurrent`, forward only) from a chunked prefill's state,
     one token and then the rest, each on a twin compiled with small head dims (the same generated code; the
-    interpreter's cost grows with K x K states); gates at exactly 0 and far below; bf16. Head-first specs slice
-    time on their third axis and skip packing; a GQA split of the heads runs two query heads on one key/value
-    head."""
+    interpreter's cost grows with K x K states); gates at exactly 0 and far below, and the delta rule's writing
+    strengths at 0 and 1; bf16. Head-first specs slice time on their third axis and skip packing; a GQA split of
+    the heads runs two query heads on one key/value head."""
 
     default_form = "chunk default"
     TWIN_KDIM, TWIN_VDIM = 16, 12

@@ -85,10 +85,10 @@ def _unit_lower_inverse(a, BT: tl.constexpr):
 
 
 @triton.jit
-def _block_scalars(g_ptr, b_ptr, bos, eos, h, H, I: tl.constexpr, GATED: tl.constexpr):
-    """Rows 16 I .. 16 I + 15 of a chunk: their positions, b and the log gates (floored), and which rows have a
-    non-finite beta or gate (NaN or +inf)."""
-    rows = bos + I * 16 + tl.arange(0, 16)
+def _block_scalars(g_ptr, b_ptr, bos, eos, h, H, block: tl.constexpr, GATED: tl.constexpr):
+    """Rows 16 block .. 16 block + 15 of a chunk: their positions, b and the log gates (floored), and which rows
+    have a non-finite beta or gate (NaN or +inf)."""
+    rows = bos + block * 16 + tl.arange(0, 16)
     valid = rows < eos
     b = tl.load(b_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
     bad = (b - b) != 0
@@ -226,8 +226,8 @@ def _wu(k_ptr, v_ptr, g_ptr, b_ptr, t_ptr, bad_ptr, w_ptr, u_ptr, chunk_start_pt
         scaling = b * tl.exp(tl.cumsum(tl.where(bad, 0.0, tl.where(g < G_FLOOR, G_FLOOR, g)), 0))
     else:
         scaling = b
-    inv = tl.load(t_ptr + rows[:, None] * (H * BT) + h * BT + t[None, :], mask=valid[:, None] & (t[None, :] <= t[:, None]),
-                  other=0.0)
+    inv = tl.load(t_ptr + rows[:, None] * (H * BT) + h * BT + t[None, :],
+                  mask=valid[:, None] & (t[None, :] <= t[:, None]), other=0.0)
     for c0 in range(0, K, BC):
         col = c0 + tl.arange(0, BC)
         k = _load_rows_raw(k_ptr + h * K, rows, valid, H * K, 0, col, K)
@@ -370,7 +370,7 @@ def _rscan(q_ptr, k_ptr, w_ptr, g_ptr, do_ptr, dfinal_ptr, dstates_ptr, du_ptr, 
 
 
 @triton.jit
-def _grads(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, do_ptr, t_ptr, states_ptr, dstates_ptr, un_ptr, du_ptr, dq_ptr,
+def _grads(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, do_ptr, t_ptr, bad_ptr, states_ptr, dstates_ptr, un_ptr, du_ptr, dq_ptr,
            dk_ptr, dv_ptr, db_ptr, dg_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, K, V, GATED: tl.constexpr,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """dq, dk, dv, db and dg of one chunk and head, the values in [BV] blocks (module docstring). dG_t collects
@@ -384,8 +384,11 @@ def _grads(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, do_ptr, t_ptr, states_ptr, dstates
     q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
     k = _load_rows_raw(k_ptr + h * K, rows, valid, H * K, 0, ck, K)
     b = tl.load(b_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
-    inv = tl.load(t_ptr + rows[:, None] * (H * BT) + h * BT + t[None, :], mask=valid[:, None] & (t[None, :] <= t[:, None]),
-                  other=0.0)
+    inv = tl.load(t_ptr + rows[:, None] * (H * BT) + h * BT + t[None, :],
+                  mask=valid[:, None] & (t[None, :] <= t[:, None]), other=0.0)
+    # T's rows from a bad key, beta or gate on are NaN in the recurrence (_solve computed them without it): so
+    # are the gradients that read them, as the float64 recurrence's are
+    inv = tl.where(t[:, None] >= tl.load(bad_ptr + c * H + h), float("nan"), inv)
     inv_t = _operand(tl.trans(inv), q, PREC)
     decay = _decay_mask(gc, BT)
     eg, to_end = tl.exp(gc), tl.exp(gtot - gc)
@@ -513,7 +516,7 @@ def _wy_pass(config, k, v, g, b, table, chunk, prec):
     u = _empty(v.shape, dtype, v.device, poison)
     _fast(_wu)[(n_chunks, heads)](k, v, gate, b, inv, first_bad, w, u, table[1], table[2], heads, K, V,
                                   GATED=g is not None, BT=chunk, BC=_WU[0], PREC=prec, num_warps=_WU[1])
-    return w, u, inv
+    return w, u, inv, first_bad
 
 
 def _column_block(config, V):
@@ -526,8 +529,9 @@ def _column_block(config, V):
 _WARPS, _STAGES = 8, 2
 _SCAN = (4, 3, 2)  # warps, stages for 16-bit operands, for fp32 ones (3 need 224 KB there)
 _OUTPUT = (64, 128, 4, 2)  # key rows and value columns per block, warps, stages
-_SOLVE = (1, 32)  # warps, key columns per step: one warp reduces the [16, 16] blocks fastest (H100, T 16k, H 16: 508 us;
-# 547 with 64 columns, 773 and 912 with two warps; bench/log/2026-11-27-issue33.md)
+# warps, key columns per step: one warp reduces the [16, 16] blocks fastest (H100, T 16k, H 16: 508 us; 547 with 64
+# columns, 773 and 912 with two warps; bench/log/2026-11-27-issue33.md)
+_SOLVE = (1, 32)
 _WU = (64, 4)  # columns per block, warps
 
 
@@ -553,7 +557,7 @@ def forward(config, q, k, v, g, b, s_init, cu_seqlens, scale, chunk, final):
     K, V, bk = _head_dims(q, v)
     table = chunk_table(B, T, cu_seqlens, chunk, q.device)
     prec = precision(config, q.dtype)
-    w, u, _ = _wy_pass(config, k, v, g, b, table, chunk, prec)
+    w, u, _, _ = _wy_pass(config, k, v, g, b, table, chunk, prec)
     states, un, s_fin, flags = _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, final)
     o = _empty((*q.shape[:3], V), v.dtype, v.device, config.poison_outputs)
     bk_out, bv, warps, stages = _OUTPUT
@@ -574,7 +578,7 @@ def backward(config, do, ds_fin, q, k, v, g, b, s_init, cu_seqlens, scale, chunk
     prec = grad_precision(config, q.dtype)
     do = do.contiguous()
     poison = config.poison_outputs
-    w, u, inv = _wy_pass(config, k, v, g, b, table, chunk, prec)
+    w, u, inv, first_bad = _wy_pass(config, k, v, g, b, table, chunk, prec)
     states, un, _, _ = _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, False)
     bv = min(32, _column_block(config, V))
     dstates = _empty((n_chunks, heads, K, V), torch.float32, q.device, poison)
@@ -591,7 +595,7 @@ def backward(config, do, ds_fin, q, k, v, g, b, s_init, cu_seqlens, scale, chunk
     dv = _empty(v.shape, v.dtype, v.device, poison)
     db = _empty(b.shape, torch.float32, b.device, poison)
     dg = _empty(g.shape, torch.float32, g.device, poison) if g is not None else db
-    _fast(_grads)[(n_chunks, heads)](q, k, v, gate, b, do, inv, states, dstates, un, du, dq, dk, dv, db, dg,
+    _fast(_grads)[(n_chunks, heads)](q, k, v, gate, b, do, inv, first_bad, states, dstates, un, du, dq, dk, dv, db, dg,
                                      start, end, float(scale), heads, K, V, GATED=g is not None, BT=chunk, BK=bk,
                                      BV=min(32, max(16, _pow2(V))), PREC=prec, num_warps=8, num_stages=1)
     return dq, dk, dv, (dg.to(g.dtype) if g is not None else None), db.to(b.dtype), ds_init

@@ -177,7 +177,7 @@ def _kv_token_axes(program: ir.Program, token_axes: tuple[str, ...], head: str,
     return grouped if declared == grouped else token_axes
 
 
-def token_layout(rec: _Recognizer, q_name: str, kdim: str, scan: ir.Scan) -> tuple[tuple[str, ...], bool]:
+def token_layout(rec: _Recognizer, q_name: str, kdim: str, scan: ir.Scan) -> tuple[tuple[str, str, str], bool]:
     """The queries' token axes as declared and whether they are head-first ([batch head time dim]); a located
     error for any other layout."""
     from ncd.families.recurrence.plan import _fail
@@ -193,7 +193,7 @@ def token_layout(rec: _Recognizer, q_name: str, kdim: str, scan: ir.Scan) -> tup
         raise _fail(decl.span, f"{q_name} is declared [{' '.join(q_axes)}], but the recurrence family takes fla's "
                     f"layout [batch time head dim] or the head-first [batch head time dim]: the scanned axis "
                     f"'{scan.over}' second or third")
-    return q_axes[:3], head_first
+    return (q_axes[0], q_axes[1], q_axes[2]), head_first
 
 
 def check_roles(rec: _Recognizer, named: list[tuple[str, str | None]], what: str) -> None:

@@ -188,7 +188,8 @@ def _fp32_products() -> bool:
 # --- recognition --------------------------------------------------------------------------------------------
 
 
-def plan_recurrence(front: FrontEnd, bindings: dict[str, int]) -> RecurrencePlan | LinearScanPlan | DeltaRulePlan | Decline:
+def plan_recurrence(front: FrontEnd,
+                    bindings: dict[str, int]) -> RecurrencePlan | LinearScanPlan | DeltaRulePlan | Decline:
     program = front.program
     if not any(isinstance(n, ir.Scan) for d in program.definitions for n in ir.walk(d.value)):
         return Decline("the spec has no scan (a gated recurrence over time)")

@@ -18,6 +18,7 @@ from ncd.errors import CallError
 from ncd.families.recurrence.runtime import Roles, ScanOp, as_head_first, as_one_head_sequences
 from ncd.op_runtime import Arg, KernelOp
 
+CHUNK_SIZES = (16, 32, 64)
 _ARGS = [Arg("q", grad=True), Arg("k", grad=True), Arg("v", grad=True), Arg("g", "Tensor?", grad=True),
          Arg("beta", grad=True), Arg("s_init", "Tensor?", grad=True), Arg("cu_seqlens", "Tensor?"),
          Arg("scale", "float"), Arg("chunk", "int"), Arg("final", "bool")]
@@ -80,6 +81,8 @@ class DeltaRuleOp(ScanOp):
         outputs are non-finite exactly where the recurrence's are, the gradients at least there; double backward
         raises."""
         chunk_size = self.chunk_size if chunk_size is None else chunk_size
+        if chunk_size not in CHUNK_SIZES:  # the UT transform's blocks of 16 rows: 1, 2 or 4 per chunk
+            raise CallError(None, detail=f"{self.spec_name}: chunk_size must be 16, 32 or 64, got {chunk_size}")
         if beta is None:
             raise CallError(None, detail=f"{self.spec_name}: {self.roles.beta} (beta) is required")
         self._check_presence(q, k, v, g, beta, None, scale)
