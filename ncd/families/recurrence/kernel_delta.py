@@ -17,7 +17,8 @@ Backward (dS_c: the gradient of the state after chunk c; P = scale (q k^T) o D):
     columns, plus Gc's terms at the chunk's last token), whose reverse sum inside the chunk is dg.
 Every exponent is a difference G_t - G_s with s <= t inside one chunk, or a chunk's partial or full total: never
 positive (g <= 0), so nothing overflows. Products multiply the inputs' 16-bit values (T and the weighted operands
-rounded to them, as fla does) or, for fp32 inputs, tf32x3 ones; accumulation is fp32; T is solved in fp32.
+rounded to them, as fla does) or, for fp32 inputs, tf32x3 ones; accumulation is fp32. T's diagonal blocks are
+solved in fp32, its blocks below with TF32 products for 16-bit inputs (as fla's) and tf32x3 ones for fp32 inputs.
 
 Non-finite inputs: a non-finite key, beta or gate (NaN, +inf) at token t makes the outputs NaN from t on, a
 non-finite value entry (t, j) value column j from t on, a non-finite query its own row: exactly where the float64
@@ -523,10 +524,11 @@ def _column_block(config, V):
     return min(config.scan_tiles[1], max(16, _pow2(V)))
 
 
-# spills and shared memory of the kernels at K = V = 128, BT = 64 (sm_90, Triton 3.6, compiled ahead of time): 4
-# warps spill 0.7-7 KB per thread in every kernel but the output; 3 stages need 224-352 KB of shared memory in
-# the scans and the gradients (fp32 inputs), over the H100's 227 KB
-_WARPS, _STAGES = 8, 2
+# Launch shapes: the fastest of the sweeps in bench/log/2026-11-27-issue33.md (H100, T 16k, H 16, D 128). Limits
+# found there: 3 stages need 224-352 KB of shared memory in the scans and the gradients for fp32 operands (the
+# H100 has 227 KB); the gradients kernel at 16 warps reads shared memory out of bounds (Triton 3.6,
+# compute-sanitizer), so it runs 8.
+_RSCAN = (8, 2)  # warps, stages of the reverse scan
 _SCAN = (4, 3, 2)  # warps, stages for 16-bit operands, for fp32 ones (3 need 224 KB there)
 _OUTPUT = (64, 128, 4, 2)  # key rows and value columns per block, warps, stages
 # warps, key columns per step: one warp reduces the [16, 16] blocks fastest (H100, T 16k, H 16: 508 us; 547 with 64
@@ -589,7 +591,7 @@ def backward(config, do, ds_fin, q, k, v, g, b, s_init, cu_seqlens, scale, chunk
         q, k, w, gate, do, ds_fin if ds_fin is not None else dstates, dstates, du,
         ds_init if ds_init is not None else dstates, first, start, end, float(scale), heads, K, V,
         GATED=g is not None, HAS_DFINAL=ds_fin is not None, STORE_DINIT=s_init is not None, BT=chunk, BK=bk, BV=bv,
-        PREC=prec, num_warps=_WARPS, num_stages=_STAGES)
+        PREC=prec, num_warps=_RSCAN[0], num_stages=_RSCAN[1])
     dq = _empty(q.shape, q.dtype, q.device, poison)
     dk = _empty(k.shape, k.dtype, k.device, poison)
     dv = _empty(v.shape, v.dtype, v.device, poison)
