@@ -183,3 +183,28 @@ def test_the_chunked_form_is_derived_from_the_specs_own_scan(tmp_path):
         with pytest.raises(ncd.errors.NcdError) as info:
             plan_recurrence(ncd.load_spec(spec), {})
         assert "refused.ncd:" in str(info.value) and message in str(info.value), str(info.value)
+
+
+def test_head_first_specs_equal_the_fla_layout_and_gqa_is_refused_at_the_keys(tmp_path):
+    from ncd.families.recurrence.plan import plan_recurrence
+
+    text = GATED.replace("spec gated_delta_rule", "spec gdr_head_first")
+    for name in ("q", "k", "v", "g", "beta", "S", "out o"):
+        text = text.replace(f"{name}[batch time head", f"{name}[batch head time")
+    spec = tmp_path / "gdr_head_first.ncd"
+    spec.write_text(text)
+    q, k, v, g, beta = draw(T=70, seed=8)
+    s0 = torch.randn(2, 2, K, V) * 0.3
+    first = ncd.load(spec, sizes={"kdim": K, "vdim": V}).module
+    o, final = first.chunk(*(t.transpose(1, 2).contiguous() for t in (q, k, v, g, beta)), initial_state=s0,
+                           output_final_state=True, chunk_size=32)
+    ref, ref_final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                            chunk_size=32)
+    assert torch.equal(o.transpose(1, 2), ref) and torch.equal(final, ref_final)
+    gqa = GATED.replace("axis batch, time, head", "axis batch, time, kvhead, qgroup\naxis head = kvhead * qgroup")
+    gqa = gqa.replace("in  k[batch time head kdim]", "in  k[batch time kvhead kdim]")
+    spec = tmp_path / "gdr_gqa.ncd"
+    spec.write_text(gqa)
+    with pytest.raises(ncd.errors.NcdError) as info:
+        plan_recurrence(ncd.load_spec(spec), {})
+    assert "gdr_gqa.ncd:13:" in str(info.value) and "(GQA) are not compiled" in str(info.value), str(info.value)

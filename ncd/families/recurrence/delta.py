@@ -229,6 +229,12 @@ def recognize_delta(rec: _Recognizer, out: str, value: ir.Contract, scale: str |
         if program.tensor(name).role != "in":
             raise _fail(scan.body, f"expected {s_name}'s update to read declared inputs only; {name} is defined "
                         "in the spec")
+    for name in loads:
+        axes = program.tensor(name).axes
+        if len(axes) == 4 and axes[:3] != token_axes:
+            raise _fail(program.tensor(name).span, f"{name} is declared [{' '.join(axes)}]: the delta rule reads "
+                        f"every input per query head, [{' '.join(token_axes)} ...]; keys and values shared by "
+                        "groups of query heads (GQA) are not compiled for it yet")
     keys = [n for n in loads if program.tensor(n).axes == (*token_axes, kdim)]
     values = [n for n in loads if len(program.tensor(n).axes) == 4 and n not in keys]
     scalars = [n for n in loads if program.tensor(n).axes == token_axes]
