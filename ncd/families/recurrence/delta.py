@@ -76,9 +76,14 @@ class DeltaRulePlan:
             "backward: du = P^T do + (k o exp(Gc - G)) dS_c, dS_(c-1) = exp(Gc) dS_c + scale (q o exp(G))^T do - "
             "W^T du (reverse scan); per chunk dW = -du S_c^T, dT = du (b v)^T + dW (b exp(G) k)^T, dA = -T^T dT T^T, "
             "then dq, dk, dv, db and dg (the reverse sum inside the chunk of every exponent's derivative)",
-            "kernels: forward 3 launches (UT transform; state scan; output), backward 4 (UT transform; state scan; "
+            "kernels: forward 4 launches (T; W and U; state scan; output), backward 5 (T; W and U; state scan; "
             "reverse scan; gradients); decoding (`recurrent`) 1; static in ncd/families/recurrence/kernel_delta.py",
-            *self.config.describe(),
+            "config:",
+            f"  chunk {self.config.chunk} (16, 32 or 64: one, two or four 16-row blocks of T), output factor "
+            f"{self.config.output_factor:g}; products: the inputs' 16-bit type, fp32 inputs "
+            f"{self.config.dot_precision or 'tf32x3'}; backward for 16-bit inputs {self.config.grad_precision}; "
+            f"value columns per state-scan program {self.config.scan_tiles[1]} (the other launch shapes: "
+            "kernel_delta.py)",
         ]
 
     def render(self, program: ir.Program, op_id: str) -> str:
