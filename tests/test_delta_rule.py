@@ -21,6 +21,7 @@ from ncd.families.recurrence.reference import naive_delta_rule
 from ncd.ops import chunk_delta_rule, chunk_gated_delta_rule, recurrent_delta_rule, recurrent_gated_delta_rule
 
 from .conftest import ROOT
+from .test_linear_scan import rms_ratio, with_grads
 
 K, V = 24, 20
 GATED = (ROOT / "specs" / "gated_delta_rule.ncd").read_text()
@@ -34,18 +35,6 @@ def draw(B=2, T=100, H=2, dtype=torch.float32, seed=0):
     g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 3.0)
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     return q, k, v, g, beta
-
-
-def rms_ratio(value, ref):
-    value, ref = value.detach().double(), ref.detach().double()
-    assert not torch.isnan(value).any()
-    return float((value - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
-
-
-def with_grads(fn, inputs, cotangents):
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    outs = fn(*leaves)
-    return [*outs, *torch.autograd.grad(outs, leaves, [c.to(o.dtype) for c, o in zip(cotangents, outs, strict=True)])]
 
 
 @pytest.mark.parametrize("gated, chunk, T", [(True, 64, 150), (True, 32, 100), (False, 16, 53)])

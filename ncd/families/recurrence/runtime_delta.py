@@ -9,14 +9,14 @@ non-finite inputs need no guard: the kernels put NaN where the recurrence does."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ncd.errors import CallError
-from ncd.families.recurrence.runtime import Roles, ScanOp, as_head_first, as_one_head_sequences
-from ncd.op_runtime import Arg, KernelOp
+from ncd.families.recurrence.runtime import as_head_first, as_one_head_sequences
+from ncd.families.recurrence.runtime_linear import LinearScanOp
+from ncd.op_runtime import Arg
 
 CHUNK_SIZES = (16, 32, 64)
 _ARGS = [Arg("q", grad=True), Arg("k", grad=True), Arg("v", grad=True), Arg("g", "Tensor?", grad=True),
@@ -24,30 +24,16 @@ _ARGS = [Arg("q", grad=True), Arg("k", grad=True), Arg("v", grad=True), Arg("g",
          Arg("scale", "float"), Arg("chunk", "int"), Arg("final", "bool")]
 
 
-class DeltaRuleOp(ScanOp):
+class DeltaRuleOp(LinearScanOp):
     """`chunk(...)` (training and prefill), `recurrent(...)` (decoding) and `call_spec` for the delta rule:
     S_t = exp(g_t) (I - b_t k_t k_t^T) S_(t-1) + b_t k_t v_t^T (no gate: g = 0), o_t = scale S_t^T q_t, one state
-    S [N, H, K, V] fp32."""
+    S [N, H, K, V] fp32. Construction, launch and state layout: LinearScanOp's."""
 
-    def __init__(self, spec_name: str, op_id: str, *, roles: Roles, axes: Mapping[str, tuple[int | None, tuple]],
-                 forward: Callable[..., Any], backward: Callable[..., Any], chunk_table: Callable[..., Any],
-                 step: Callable[..., Any], output_factor: float,
-                 scale_default: Callable[[dict[str, int]], float | None], chunk_size: int) -> None:
-        self.spec_name, self.roles, self.axes = spec_name, roles, axes
-        self.chunk_size = chunk_size
-        self._launch_forward, self._launch_backward, self._chunk_table = forward, backward, chunk_table
-        self._launch_step = step
-        self.output_factor, self.scale_default = output_factor, scale_default
-        self.op = KernelOp(f"ncd::{op_id}", spec_name, _ARGS, ["o", "s_fin"], differentiable=2,
-                           forward=self._forward, fake=self._fake, backward=self._backward,
-                           backward_fake=self._backward_fake)
-
-    def _forward(self, *args: Any) -> tuple:
-        return self._launch_forward(*args)
+    ARGS = _ARGS
 
     @staticmethod
-    def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Any, beta: torch.Tensor, s_init: Any,
-              cu_seqlens: Any, scale: float, chunk: int, final: bool) -> tuple:
+    def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Any, beta: torch.Tensor,  # type: ignore[override]
+              s_init: Any, cu_seqlens: Any, scale: float, chunk: int, final: bool) -> tuple:
         n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         shape = (n_seq, q.shape[2], q.shape[3], v.shape[3]) if final else (0,)
         return v.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(shape, dtype=torch.float32)
@@ -63,10 +49,6 @@ class DeltaRuleOp(ScanOp):
     def _backward_fake(grads: tuple, saved: tuple, constants: tuple, needs: tuple) -> list:
         q = saved[0]
         return [torch.empty_like(t) if t is not None else q.new_empty(0) for t in saved[:6]]
-
-    @staticmethod
-    def _state_shapes(initial_state: Any, n_seq: int, heads: int, K: int, V: int) -> list:
-        return [("initial_state", initial_state, (n_seq, heads, K, V), "sequence head key value")]
 
     def chunk(self, q: Any, k: Any, v: Any, g: Any = None, beta: Any = None,  # type: ignore[override]
               scale: Any = None, initial_state: Any = None, output_final_state: bool = False, cu_seqlens: Any = None,

@@ -24,7 +24,10 @@ _ARGS = [Arg("q", grad=True), Arg("k", grad=True), Arg("v", grad=True), Arg("g",
 
 class LinearScanOp(ScanOp):
     """`chunk(...)` (training and prefill), `recurrent(...)` (decoding) and `call_spec` for gated linear
-    attention: S_t = exp(g_t) S_(t-1) + k_t v_t^T, o_t = scale S_t^T q_t, one state S [N, H, K, V] fp32."""
+    attention: S_t = exp(g_t) S_(t-1) + k_t v_t^T, o_t = scale S_t^T q_t, one state S [N, H, K, V] fp32. The delta
+    rule's op (runtime_delta.py) shares its construction and state layout, with its own arguments (ARGS)."""
+
+    ARGS = _ARGS
 
     def __init__(self, spec_name: str, op_id: str, *, roles: Roles, axes: Mapping[str, tuple[int | None, tuple]],
                  forward: Callable[..., Any], backward: Callable[..., Any], chunk_table: Callable[..., Any],
@@ -35,7 +38,7 @@ class LinearScanOp(ScanOp):
         self._launch_forward, self._launch_backward, self._chunk_table = forward, backward, chunk_table
         self._launch_step = step
         self.output_factor, self.scale_default = output_factor, scale_default
-        self.op = KernelOp(f"ncd::{op_id}", spec_name, _ARGS, ["o", "s_fin"], differentiable=2,
+        self.op = KernelOp(f"ncd::{op_id}", spec_name, self.ARGS, ["o", "s_fin"], differentiable=2,
                            forward=self._forward, fake=self._fake, backward=self._backward,
                            backward_fake=self._backward_fake)
 
