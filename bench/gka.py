@@ -242,10 +242,16 @@ def main():
     parser.add_argument("--grads", default="default",
                         help="--profile: backward product precisions to compare (config grad_precision)")
     parser.add_argument("--json", help="write the ratios to this file (bench/results.py; when the checks pass)")
+    parser.add_argument("--variants-of-spec", action="store_true",
+                        help="check and time the spec variants (ungated covariance, own covariance gate, ridge "
+                        "offset) beside specs/gka.ncd at --ts and the first of --rs, then exit")
     args = parser.parse_args()
     ts = [int(t) for t in args.ts.split(",")]
     rs = [int(r) for r in args.rs.split(",")]
     log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.datetime.now():%Y-%m-%d %H:%M}")
+    if args.variants_of_spec:
+        spec_variants(ts, rs[0])
+        return
     op = ncd.load(shipped_spec("gka"))
     if args.profile:
         profile(op, ts, rs, args.layouts.split(","), args.grads.split(","), backward=not args.forward_only)
@@ -309,6 +315,83 @@ def main():
                  f"{c['fwd_kernels'] / c['gdn_kernels']:.2f}" if gdn else "-",
                  f"{c['naive_fb'] / c['fb']:.0f}x" if "naive_fb" in c else "-"]
         log("| " + " | ".join(str(x) for x in cells) + " |")
+    log(f"correctness: {'all OK' if not failures else 'FAILED: ' + ', '.join(failures)}")
+
+
+
+# --variants-of-spec: the Gated KalmaNet variants beside specs/gka.ncd (tests/test_gka_variants.py covers more)
+_H_SCAN = "H[batch time head kdim kcol] = scan(exp(g) * prev"
+SPEC_VARIANTS = {
+    "ungated covariance": None,  # shipped: specs/gka_ungated_covariance.ncd
+    "own covariance gate": [("in  g[batch time head] : f32\n",
+                             "in  g[batch time head] : f32\nin  gk[batch time head] : f32\n"),
+                            (_H_SCAN, _H_SCAN.replace("exp(g)", "exp(gk)"))],
+    "ridge offset 0.3": [("lam[batch time head] = ridge * normH", "lam[batch time head] = ridge * normH + 0.3")],
+}
+
+
+def spec_variants(ts, r):
+    """Each variant's op against the float64 naive recurrence (B1 T300 H2, bf16 inputs), then its forward and
+    forward+backward beside the default spec's, same run."""
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp())
+    ops = {"default": ncd.load(shipped_spec("gka"))}
+    for name, changes in SPEC_VARIANTS.items():
+        if changes is None:
+            ops[name] = ncd.load(shipped_spec("gka_ungated_covariance"))
+            continue
+        text = shipped_spec("gka").read_text()
+        for old, new in changes:
+            assert old in text, old
+            text = text.replace(old, new)
+        path = folder / f"gka_{name.replace(' ', '_').replace('.', '')}.ncd"
+        path.write_text(text)
+        ops[name] = ncd.load(path)
+
+    def call(name, module, x, **kw):
+        q, k, v, g, beta, alpha, gk = x
+        extra = {"gk": gk} if name == "own covariance gate" else {}
+        return module.chunk(q, k, v, g, beta, alpha=alpha, **extra, **kw)[0]
+
+    def reference(name, x):
+        q, k, v, g, beta, alpha, gk = (t.double() for t in x)
+        gates = {"ungated covariance": None, "own covariance gate": gk}
+        kw = {"gk": gates[name]} if name in gates else {}
+        return naive_gka(q, k, v, g, beta, alpha, ridge_offset=0.3 if "offset" in name else 0.0, **kw)[0]
+
+    failures = []
+    for dtype, tol_o, tol_g in ((torch.bfloat16, 1e-2, 3e-2),):  # fp32: the interpreter's tests
+        x = (*draw(1, 300, 2, dtype, seed=1), F.logsigmoid(torch.randn(1, 300, 2, device="cuda") + 1.0))
+        do = torch.randn(1, 300, 2, D, device="cuda", dtype=dtype)
+        for name, op in ops.items():
+            leaves = [t.detach().clone().requires_grad_() for t in x]
+            ref_leaves = [t.detach().double().requires_grad_() for t in x]
+            o, ref = call(name, op.module, leaves), reference(name, ref_leaves)
+            used = slice(None) if name == "own covariance gate" else slice(0, 6)  # gk is an input of that one alone
+            grads = torch.autograd.grad(o, leaves[used], do)
+            ref_grads = torch.autograd.grad(ref, ref_leaves[used], do.double())
+            errs = [rel(a, b) for a, b in zip((o, *grads), (ref, *ref_grads), strict=True)]
+            bad = errs[0] > tol_o or max(errs[1:]) > tol_g
+            log(f"  check {name:20s} {str(dtype)[6:]:9s} o {errs[0]:.1e}, worst gradient {max(errs[1:]):.1e} "
+                f"{'FAIL' if bad else 'OK'}")
+            if bad:
+                failures.append(f"{name} {dtype}")
+    log("| T | r | variant | fwd ms | fwd+bwd ms | fwd / default | fwd+bwd / default |")
+    log("|---|---|---|---|---|---|---|")
+    for t in ts:
+        x = (*draw(B, t, H, seed=3), F.logsigmoid(torch.randn(B, t, H, device="cuda") + 1.0))
+        leaves = [y.detach().requires_grad_() for y in x]
+        do = torch.randn_like(x[2])
+        base = None
+        for name, op in ops.items():
+            module = op.module
+            fwd = ms(lambda: call(name, module, x, num_iter=r))  # noqa: B023
+            used = leaves if name == "own covariance gate" else leaves[:6]
+            fb = ms(lambda: torch.autograd.grad(call(name, module, leaves, num_iter=r), used, do))  # noqa: B023
+            base = base or (fwd, fb)
+            log(f"| {t} | {r} | {name} | {fwd:.3f} | {fb:.3f} | {fwd / base[0]:.2f} | {fb / base[1]:.2f} |")
     log(f"correctness: {'all OK' if not failures else 'FAILED: ' + ', '.join(failures)}")
 
 

@@ -3,8 +3,9 @@
 `GatedKalmaNet`: the GKA layer of papers/gated-kalmanet.txt with the official implementation's conventions
 (shared/anchors.md): q, k, v projections with short causal depthwise convolutions and SiLU, l2-normalised q and
 k (eps 1e-6), beta = sigmoid(.) scaling k and v by (beta + 1e-6), alpha = sigmoid(.) for the alpha-connection, a
-Mamba2-style gate g = -exp(A_log) softplus(a + dt_bias) (natural log, <= 0), the core `ncd.ops.chunk_gka`, then an
-RMSNorm gated by silu(g_proj(x)) and the output projection.
+Mamba2-style gate g = -exp(A_log) softplus(a + dt_bias) (natural log, <= 0; of U alone with
+use_forgetting_gate_kk=False, the key covariance then ungated), the core `ncd.ops.chunk_gka`, then an RMSNorm gated
+by silu(g_proj(x)) and the output projection.
 
 `SimpleGatedLinearAttention`: fla's simple GLA layer (fla.layers.simple_gla): q, k, v projections (optional short
 convolutions), a per-head log gate logsigmoid(gk_proj(x)) / gate_logit_normalizer, the core
@@ -70,11 +71,12 @@ class GatedKalmaNet(nn.Module):
     def __init__(self, hidden_size: int = 2048, num_heads: int = 16, head_dim: int | None = None,
                  num_iter: int = 30, ridge: float = 0.02, conv_size: int = 4, use_short_conv: bool = True,
                  use_beta: bool = True, use_alpha: bool = True, use_output_gate: bool = True, chunk_size: int = 64,
-                 norm_eps: float = 1e-6) -> None:
+                 norm_eps: float = 1e-6, use_forgetting_gate_kk: bool = True) -> None:
         super().__init__()
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.head_dim = head_dim or hidden_size // num_heads
         self.num_iter, self.ridge, self.chunk_size = num_iter, ridge, chunk_size
+        self.use_forgetting_gate_kk = use_forgetting_gate_kk
         inner = num_heads * self.head_dim
         self.q_proj = nn.Linear(hidden_size, inner, bias=False)
         self.k_proj = nn.Linear(hidden_size, inner, bias=False)
@@ -108,7 +110,7 @@ class GatedKalmaNet(nn.Module):
         o, state = chunk_gka(q, k, v, g, beta, scale=self.head_dim ** -0.5, alpha=alpha, ridge=self.ridge,
                              num_iter=self.num_iter, initial_state=initial_state,
                              output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                             chunk_size=self.chunk_size)
+                             chunk_size=self.chunk_size, gate_covariance=self.use_forgetting_gate_kk)
         gate = self.g_proj(x).view(B, T, self.num_heads, self.head_dim) if self.g_proj is not None else None
         out = self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
         return (out, state) if output_final_state else out

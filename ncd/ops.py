@@ -88,9 +88,14 @@ def shipped_spec(name: str) -> Path:
     return Path(str(resources.files("ncd.specs").joinpath(f"{name}.ncd")))
 
 
+def _gka_spec(gate_covariance: bool) -> str:
+    return "gka" if gate_covariance else "gka_ungated_covariance"
+
+
 def chunk_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any = None, initial_state: Any = None,
               output_final_state: bool = False, cu_seqlens: Any = None, *, alpha: Any = None, ridge: float = 0.02,
-              num_iter: int = 30, chunk_size: int = 64, config: Mapping[str, object] | None = None) -> Any:
+              num_iter: int = 30, chunk_size: int = 64, gate_covariance: bool = True,
+              config: Mapping[str, object] | None = None) -> Any:
     """Gated KalmaNet core compiled from `specs/gka.ncd`, with fla's conventions and positional order (q, k, v, g,
     beta, scale, initial_state, output_final_state, cu_seqlens, as fla's chunk_gated_delta_rule; alpha and the
     rest by keyword). q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] natural-log gates (<= 0), beta and alpha
@@ -98,23 +103,25 @@ def chunk_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any = Non
     when it requires one; double backward raises), default K^-1/2; non-finite inputs give NaN outputs only where
     they reach (g = -inf is a reset); states (H [N, H, K, K], S [N, H, K, V]) fp32, `cu_seqlens` packs N
     sequences into B = 1. Returns (o [B, T, H, V], final_state or None). Any head sizes: the spec is compiled
-    once per (K, V) with its fixed axes overridden. `config` overrides fields of the recurrence family's config
-    (`Op.with_config`, e.g. `{"dot_precision": "ieee"}`): another op, compiled once per (K, V, config)."""
-    return _shipped_op("gka", "chunk_gka", q, v, config).module.chunk(q, k, v, g, beta, scale, initial_state,
-                                                            output_final_state, cu_seqlens, alpha=alpha, ridge=ridge,
-                                                            num_iter=num_iter, chunk_size=chunk_size)
+    once per (K, V) with its fixed axes overridden. `gate_covariance=False`: g gates U alone and the key
+    covariance H is ungated (`specs/gka_ungated_covariance.ncd`; the official layer's
+    use_forgetting_gate_kk=False). `config` overrides fields of the recurrence family's config (`Op.with_config`,
+    e.g. `{"dot_precision": "ieee"}`): another op, compiled once per (K, V, config)."""
+    op = _shipped_op(_gka_spec(gate_covariance), "chunk_gka", q, v, config)
+    return op.module.chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, alpha=alpha,
+                           ridge=ridge, num_iter=num_iter, chunk_size=chunk_size)
 
 
 def recurrent_gka(q: Any, k: Any, v: Any, g: Any, beta: Any = None, scale: Any = None, initial_state: Any = None,
                   output_final_state: bool = True, *, alpha: Any = None, ridge: float = 0.02, num_iter: int = 30,
-                  config: Mapping[str, object] | None = None) -> Any:
+                  gate_covariance: bool = True, config: Mapping[str, object] | None = None) -> Any:
     """Gated KalmaNet decoding (fla's fused_recurrent convention): the recurrence token by token from a state,
     for the few tokens of a decoding step after a prefill by `chunk_gka(..., output_final_state=True)`. Arguments
     as `chunk_gka`'s (one state per batch entry: no cu_seqlens); returns (o, (H, S) after the last token, or
     None). Inference only: an input that requires a gradient is refused."""
-    return _shipped_op("gka", "recurrent_gka", q, v, config).module.recurrent(q, k, v, g, beta, scale, initial_state,
-                                                                   output_final_state, alpha=alpha, ridge=ridge,
-                                                                   num_iter=num_iter)
+    op = _shipped_op(_gka_spec(gate_covariance), "recurrent_gka", q, v, config)
+    return op.module.recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, alpha=alpha, ridge=ridge,
+                               num_iter=num_iter)
 
 
 def chunk_simple_gla(q: Any, k: Any, v: Any, g: Any, scale: Any = None, initial_state: Any = None,

@@ -144,8 +144,8 @@ def test_cu_seqlens_path_off_by_five_percent(tmp_path, monkeypatch):
     assert all(r.ok for r in _run(clean, "cu_seqlens", "normal"))
     forward = clean.module.forward
 
-    def packed_wrong(q, k, v, g, beta, alpha, h_init, s_init, cu_seqlens, *rest):
-        o, *others = forward(q, k, v, g, beta, alpha, h_init, s_init, cu_seqlens, *rest)
+    def packed_wrong(q, k, v, g, gk, beta, alpha, h_init, s_init, cu_seqlens, *rest):
+        o, *others = forward(q, k, v, g, gk, beta, alpha, h_init, s_init, cu_seqlens, *rest)
         return (o * 1.05 if cu_seqlens is not None else o, *others)
 
     monkeypatch.setattr(clean.module, "forward", packed_wrong)

@@ -248,7 +248,7 @@ def test_saved_norms_match_the_frobenius_norm_of_the_naive_states(gka_op, precis
     h0 = torch.randn(1, 2, K, K)
     h0 = h0 @ h0.transpose(-1, -2) / K
     s0 = torch.randn(1, 2, K, V)
-    *_, norm = module.forward(q, k, v, g, b, a, h0, s0, None, K ** -0.5, 0.02, 3, 16, False)
+    *_, norm = module.forward(q, k, v, g, None, b, a, h0, s0, None, K ** -0.5, 0.02, 0.0, 3, 16, False)
     kb, _ = _scaled(k.double(), v.double(), b.double())
     state, want = h0.double(), []
     for t in range(q.shape[1]):
@@ -398,7 +398,8 @@ def test_layer_runs_forward_and_backward_and_uses_the_compiled_core(monkeypatch)
     assert y.shape == x.shape and torch.isfinite(x.grad).all() and torch.isfinite(layer.A_log.grad).all()
 
     def naive_core(q, k, v, g, beta, alpha, scale, ridge, num_iter, initial_state, output_final_state,
-                   cu_seqlens, chunk_size):
+                   cu_seqlens, chunk_size, gate_covariance):
+        assert gate_covariance
         o, _ = naive_gka(q.double(), k.double(), v.double(), g.double(), beta.double(), alpha.double(), scale,
                          ridge, num_iter)
         return o.float(), None
@@ -454,10 +455,17 @@ BASE = (ROOT / "specs" / "gka.ncd").read_text()
 
 @pytest.mark.parametrize("old,new,message", [
     ("U[batch time head vdim kdim] = scan(exp(g) * prev", "U[batch time head vdim kdim] = scan(exp(beta) * prev",
-     "the two scans must share one gate"),
-    ("L = normH + lam)", "L = normH)", "expected L = normH + lam"),
+     "beta serves as both the log gate of U and the scaling"),
+    ("U[batch time head vdim kdim] = scan(exp(g) * prev", "U[batch time head vdim kdim] = scan(sigmoid(g) * prev",
+     "expected a gate exp(g)"),
+    ("L = normH + lam)", "L = normH)", "expected L = ||H||_F + lam"),
+    ("mu = lam,", "mu = normH,", "expected mu = lam"),
     ("lam[batch time head] = ridge * normH", "lam[batch time head] = ridge * normH * normH",
-     "expected lam = ridge * normH"),
+     "the family takes lam = ridge * n + offset"),
+    ("lam[batch time head] = ridge * normH", "lam[batch time head] = ridge * normH - 0.5",
+     "must be positive"),
+    ("lam[batch time head] = ridge * normH", "lam[batch time head] = ridge * sum(H, over kdim kcol)",
+     "not one of them"),
     ("qa[batch time head kdim] = q + alpha * (x[batch time head kdim] - q)",
      "qa[batch time head kdim] = q + alpha * x[batch time head kdim]", "alpha-connection"),
 ])

@@ -20,6 +20,7 @@ class RecurrenceConfig:
     output_factor: float = 1.0  # the output's constant factors beside the scale input
     scaling_input: bool = True  # the spec scales keys and values by an input (beta); None then means no scaling
     chunk: int = 64  # tokens per chunk: the op's default chunk_size
+    ridge_offset: float = 0.0  # lambda_t = ridge ||H_t||_F + ridge_offset: the op's default (the spec's constant)
     # Operand precision of the in-kernel products (accumulation is always fp32). None: by input dtype ("ieee" for
     # fp32 inputs, scaled "fp16" for 16-bit ones; kernel.py's solve_precision). Or one of
     # DOT_PRECISIONS everywhere. NCD_GKA_DOT_PRECISION fills it (with_settings) when None.
@@ -57,7 +58,8 @@ class RecurrenceConfig:
         by_dtype = "by input dtype (fp32: ieee, 16-bit: scaled fp16; NCD_GKA_DOT_PRECISION overrides)"
         return [
             "config:",
-            f"  iterations {self.iterations}, ridge {self.ridge:g}, output factor {self.output_factor:g}, "
+            f"  iterations {self.iterations}, ridge {self.ridge:g}, ridge offset {self.ridge_offset:g}, "
+            f"output factor {self.output_factor:g}, "
             f"chunk {self.chunk}, scaling input {'yes' if self.scaling_input else 'no (constant scalings)'}",
             f"  products: solve/output/norm {self.dot_precision or by_dtype}; backward accumulation "
             f"{self.grad_precision or 'fp16x3 (NCD_GKA_GRAD_PRECISION overrides)'}",

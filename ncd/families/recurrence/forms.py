@@ -79,20 +79,22 @@ class RecurrenceForms(Forms):
             beta[(*lead, slice(2, None, 5))] = 0.0
             beta[(*lead, slice(4, None, 5))] = 1.0
             inputs = {**inputs, self.plan.roles.beta: beta}
-            if self.plan.roles.g is None:
-                return inputs
-        g = inputs[self.plan.roles.g].clone()
-        if g.dim() == 1:  # a gate per head: the first without decay, the last (of two or more) almost a reset
-            g[-1] = -30.0  # (alone, its gradient would be a sum of terms cancelling to ~1e-13: fp32 noise)
-            g[0] = 0.0
-            return {**inputs, self.plan.roles.g: g}
-        g[(*lead, slice(None, None, 3))] = 0.0  # no decay: exactly 0
-        g[(*lead, slice(1, None, 7))] = -30.0  # an almost complete reset
-        return {**inputs, self.plan.roles.g: g}
+        for name in {self.plan.roles.g, getattr(self.plan.roles, "gk", None)} - {None}:
+            g = inputs[name].clone()
+            if g.dim() == 1:  # a gate per head: the first without decay, the last (of two or more) almost a reset
+                g[-1] = -30.0  # (alone, its gradient would be a sum of terms cancelling to ~1e-13: fp32 noise)
+                g[0] = 0.0
+            else:
+                g[(*lead, slice(None, None, 3))] = 0.0  # no decay: exactly 0
+                g[(*lead, slice(1, None, 7))] = -30.0  # an almost complete reset
+            inputs = {**inputs, name: g}
+        return inputs
 
     def _kwargs(self, leaves: dict[str, torch.Tensor], part: slice = slice(None)) -> dict[str, object]:
         r = self.plan.roles
         names = {"q": r.q, "k": r.k, "v": r.v, "g": r.g, "beta": r.beta, "alpha": r.alpha}
+        if getattr(r, "h_gate", None) == "gk":  # Gated KalmaNet's covariance with a gate of its own
+            names["gk"] = r.gk
         along_time = (slice(None),) * self._time_dim() + (part,)
         return {role: leaves[name][along_time] if leaves[name].dim() > self._time_dim() else leaves[name]
                 for role, name in names.items() if name}  # a gate per head (g[head]) has no time

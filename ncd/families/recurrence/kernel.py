@@ -7,9 +7,11 @@ generated module builds (render.py):
   VALUE_SCALE_GRAD: each spec's compile as their own variants), and the Chebyshev contraction rate rho(ridge);
 - `RecurrenceConfig` (config.py): precisions, chunk size, iterations, ridge, tiles.
 
-forward(config, hooks, q, k, v, g, beta, alpha, h_init, s_init, cu_seqlens, scale, ridge, num_iter, chunk, final)
-backward(config, hooks, ...) -> gradients of q, k, v, g, beta, alpha and the initial states.
-Shapes follow fla: q, k [B, T, H, K], v [B, T, H, V], g, beta, alpha [B, T, H] (natural-log gates, g <= 0);
+forward(config, hooks, q, k, v, g, gk, beta, alpha, h_init, s_init, cu_seqlens, scale, ridge, ridge_offset, num_iter,
+        chunk, final)
+backward(config, hooks, ...) -> gradients of q, k, v, g, gk, beta, alpha and the initial states.
+Shapes follow fla: q, k [B, T, H, K], v [B, T, H, V], g, gk, beta, alpha [B, T, H] (natural-log gates, g <= 0; gk
+None: g gates both states);
 states (H [N, H, K, K], S [N, H, K, V]) in fp32; `cu_seqlens` packs N sequences into B = 1.
 All accumulation is fp32. By default the solve, output and norm kernels multiply scaled fp16 operands for 16-bit
 inputs (the forward's chunk states are stored that way: fp16 tiles over power-of-two scales) and fp32 ones for
@@ -17,14 +19,16 @@ fp32 inputs, the forward's scans bf16 ones for bf16 inputs (TF32 otherwise), and
 operands; config.dot_precision, config.grad_precision).
 
 The recurrence, per (sequence, head), t along time (S is the spec's U transposed: [key, value], fla's layout):
-    H_t = exp(g_t) H_(t-1) + kb_t kb_t^T,  S_t = exp(g_t) S_(t-1) + kb_t vb_t^T,  kb = k KEY_SCALE(beta),
-    vb = v VALUE_SCALE(beta);  lambda_t = ridge ||H_t||_F;  x_t = Chebyshev(num_iter steps) of
+    H_t = exp(gk_t) H_(t-1) + kb_t kb_t^T,  S_t = exp(g_t) S_(t-1) + kb_t vb_t^T,  kb = k KEY_SCALE(beta),
+    vb = v VALUE_SCALE(beta);  lambda_t = ridge ||H_t||_F + ridge_offset;  x_t = Chebyshev(num_iter steps) of
     (H_t + lambda_t I) x = q_t, mu = lambda_t, L = ||H_t||_F + lambda_t;  qa_t = q_t + alpha_t (x_t - q_t);
     o_t = scale S_t^T qa_t.
-Chunked form (chunk C, G = cumulative log gate inside the chunk, D_ts = exp(G_t - G_s) [s <= t]):
+Chunked form (chunk C, G = cumulative log gate inside the chunk, D_ts = exp(G_t - G_s) [s <= t]; each state with
+its own gate's G and D, written for H below):
     H_t x = exp(G_t) H_0 x + sum_s D_ts (kb_s . x) kb_s      (H_t never materialised)
     ||H_t||^2 = exp(2 G_t) ||H_0||^2 + 2 exp(G_t) sum_s D_ts kb_s^T H_0 kb_s + rowsum(D o (D (Gram o Gram)))
-    rho = (L - mu) / (L + mu) depends on the ridge alone (the hooks' rho), so one omega schedule serves all tokens.
+    rho = (L - mu) / (L + mu) depends on the ridge alone (the hooks' rho), so one omega schedule serves all tokens;
+    with a ridge offset, rho_t = ||H_t|| / (||H_t|| + 2 lambda_t) per token.
 Backward by implicit differentiation: z = CH(H + lambda I, dx), dq += z,
     dH_t = -z_t x_t^T - c_t H_t with c_t = a (x_t . z_t) / ||H_t||, accumulated backwards through the gates.
 """
@@ -322,7 +326,7 @@ def _matvec(x, kb, h0, eg, dm, PREC: tl.constexpr):
 @triton.jit
 def _chebyshev(rhs, kb, h0, h0_s, eg, dm, lam, step0, rho2, n_iter, PREC: tl.constexpr):
     """n_iter Chebyshev steps on (H_t + lam_t I) x = rhs_t for all tokens at once (papers/gated-kalmanet.txt,
-    Algorithm 1 with omega_0 = 2); rows are independent, rho is the same for all of them. Written as
+    Algorithm 1 with omega_0 = 2); rows are independent, rho2 [BT] is each row's squared rate. Written as
     x_(i+1) = x_i + d_i, d_i = (omega - 1) d_(i-1) - step0 omega (H_t x_i + lam_t x_i - rhs_t), d_(-1) = x_0: the
     three-term recurrence's iterates, holding the step d instead of x_(i-1).
     PREC "fp16": the products see rows of x scaled by row_t = lam_t / max|rhs_t|. Every iterate obeys
@@ -349,14 +353,14 @@ def _chebyshev(rhs, kb, h0, h0_s, eg, dm, lam, step0, rho2, n_iter, PREC: tl.con
         d = x
     omega = rho2 * 0.0 + 2.0
     for _ in range(n_iter):
-        omega = 4.0 / (4.0 - rho2 * omega)
+        omega = 4.0 / (4.0 - rho2 * omega)  # [BT]
         if PREC == "fp16":
             hx = _matvec(x * row[:, None], kb, h0, eg, dm, PREC) * unscale[:, None]
             d_prev = d.to(tl.float32) * inv_row[:, None]
         else:
             hx = _matvec(x, kb, h0, eg, dm, PREC)
             d_prev = d
-        step = (omega - 1.0) * d_prev - (step0 * omega)[:, None] * (hx + lam[:, None] * x - rhs)
+        step = (omega - 1.0)[:, None] * d_prev - (step0 * omega)[:, None] * (hx + lam[:, None] * x - rhs)
         x = x + step
         if PREC == "fp16":  # noqa: SIM108
             d = (step * row[:, None]).to(tl.float16)
@@ -437,19 +441,19 @@ def _scan_tile(left_ptr, right_ptr, beta_ptr, g_ptr, init_ptr, states_ptr, final
 
 
 @triton.jit
-def _state_scan_fwd(k_ptr, v_ptr, beta_ptr, g_ptr, h_init_ptr, s_init_ptr, hstates_ptr, sstates_ptr, h_final_ptr,
-                    s_final_ptr, khk_ptr, hsq_ptr, hscale_ptr, sscale_ptr, seq_first_ptr, chunk_start_ptr,
+def _state_scan_fwd(k_ptr, v_ptr, beta_ptr, g_ptr, gk_ptr, h_init_ptr, s_init_ptr, hstates_ptr, sstates_ptr,
+                    h_final_ptr, s_final_ptr, khk_ptr, hsq_ptr, hscale_ptr, sscale_ptr, seq_first_ptr, chunk_start_ptr,
                     chunk_end_ptr, H, K, V, HAS_BETA: tl.constexpr, HAS_INIT: tl.constexpr,
                     STORE_FINAL: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr,
                     PREC: tl.constexpr, NORM_PARTS: tl.constexpr, FP16_STATES: tl.constexpr,
                     KEY_SCALE: tl.constexpr, VALUE_SCALE: tl.constexpr):
-    """Both scans in one launch (program_id(2): 0 for H = sum k k^T, 1 for S = sum k v^T), so the two share the
-    machine instead of running one after the other."""
+    """Both scans in one launch (program_id(2): 0 for H = sum k k^T under gk, 1 for S = sum k v^T under g), so the
+    two share the machine instead of running one after the other."""
     i_tile, i_nh = tl.program_id(0), tl.program_id(1)
     n, h = i_nh // H, i_nh % H
     if tl.program_id(2) == 0:
         if i_tile < tl.cdiv(K, BA) * tl.cdiv(K, BB):
-            _scan_tile(k_ptr, k_ptr, beta_ptr, g_ptr, h_init_ptr, hstates_ptr, h_final_ptr, khk_ptr, hsq_ptr,
+            _scan_tile(k_ptr, k_ptr, beta_ptr, gk_ptr, h_init_ptr, hstates_ptr, h_final_ptr, khk_ptr, hsq_ptr,
                        seq_first_ptr, hscale_ptr, chunk_start_ptr, chunk_end_ptr, i_tile, n, h, H, K, K, HAS_BETA,
                        HAS_INIT, STORE_FINAL, False, BT, BA, BB, PREC, NORM_PARTS, FP16_STATES, KEY_SCALE,
                        VALUE_SCALE)
@@ -518,9 +522,10 @@ def _norm_fwd(k_ptr, g_ptr, beta_ptr, khk_ptr, hsq_ptr, norm_ptr, chunk_start_pt
 # best warps depend on the steps
 @autotune(name="recurrence", configs=_configs(), key=[*_KEY, "OUTPUT", "STORE_OUT", "n_iter"])
 @triton.jit
-def _solve(rhs_ptr, k_ptr, g_ptr, beta_ptr, alpha_ptr, hstates_ptr, hscale_ptr, norm_ptr, out_ptr, v_ptr,
-           sstates_ptr, sscale_ptr, o_ptr, scale, chunk_start_ptr, chunk_end_ptr, ridge, rho2, n_iter, H, K, V, WORK,
-           HAS_BETA: tl.constexpr, HAS_ALPHA: tl.constexpr, OUTPUT: tl.constexpr, STORE_OUT: tl.constexpr,
+def _solve(rhs_ptr, k_ptr, g_ptr, gs_ptr, beta_ptr, alpha_ptr, hstates_ptr, hscale_ptr, norm_ptr, out_ptr, v_ptr,
+           sstates_ptr, sscale_ptr, o_ptr, scale, chunk_start_ptr, chunk_end_ptr, ridge, ridge_offset, rho2, n_iter, H,
+           K, V, WORK, HAS_BETA: tl.constexpr, HAS_ALPHA: tl.constexpr, SPLIT_GATES: tl.constexpr,
+           TOKEN_RHO: tl.constexpr, OUTPUT: tl.constexpr, STORE_OUT: tl.constexpr,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr,
            FP16_STATES: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr,
            KEY_SCALE: tl.constexpr, VALUE_SCALE: tl.constexpr):
@@ -530,6 +535,9 @@ def _solve(rhs_ptr, k_ptr, g_ptr, beta_ptr, alpha_ptr, hstates_ptr, hscale_ptr, 
     and x are in registers. In a kernel of its own, which read qa back, the output took 1-2% more forward time
     (H100, T = 8192, bench/log/2026-11-20-to-22.md).
     STORE_OUT False (a forward that no gradient will follow): x is not stored.
+    g_ptr: H's log gates; gs_ptr: S's, read for the output when SPLIT_GATES (the states have gates of their own).
+    lambda_t = ridge ||H_t|| + ridge_offset; TOKEN_RHO (an offset): the rate (L - mu) / (L + mu) per token, else
+    the one rate rho2 of the ridge alone.
   """
     c, h = tl.program_id(0), tl.program_id(1)
     ck = tl.arange(0, BK)
@@ -539,14 +547,25 @@ def _solve(rhs_ptr, k_ptr, g_ptr, beta_ptr, alpha_ptr, hstates_ptr, hscale_ptr, 
     h0, h0_s = _state_operand(hstates_ptr + (c * H + h) * K * K, hscale_ptr, c * H + h, ck, ck, K, K, 0, PREC,
                               FP16_STATES, SA, SB)
     norm = tl.load(norm_ptr + rows * H + h, mask=valid, other=1.0)
-    safe = tl.where(norm > 0, norm, 1.0)
-    lam = ridge * norm
-    step0 = 2.0 / (safe * (1.0 + 2.0 * ridge))  # 2 / (L + mu)
+    if TOKEN_RHO:  # mu = lam > 0 on every row
+        lam = ridge * norm + ridge_offset
+        step0 = 2.0 / (norm + 2.0 * lam)  # 2 / (L + mu)
+        rate = norm * (0.5 * step0)
+        rates = rate * rate
+    else:
+        safe = tl.where(norm > 0, norm, 1.0)
+        lam = ridge * norm
+        step0 = 2.0 / (safe * (1.0 + 2.0 * ridge))  # 2 / (L + mu)
+        rates = tl.zeros_like(norm) + rho2
     rhs = _load_rows(rhs_ptr + h * K, rows, valid, H * K, 0, ck, K)
-    x = _chebyshev(rhs, kb, h0, h0_s, eg, dm, lam, step0, rho2, n_iter, PREC)
+    x = _chebyshev(rhs, kb, h0, h0_s, eg, dm, lam, step0, rates, n_iter, PREC)
     if STORE_OUT:
         tl.store(out_ptr + rows[:, None] * (H * K) + h * K + ck[None, :], x, mask=valid[:, None] & (ck[None, :] < K))
     if OUTPUT:
+        if SPLIT_GATES:
+            gs, _ = _chunk_gates(gs_ptr + h, rows, valid, H)
+            eg = tl.exp(gs)
+            dm = _decay_mask(gs, BT)
         qa, qa_s = _qa_operand(rhs, x, alpha_ptr + h, rows, valid, H, HAS_ALPHA, PREC)
         _chunk_output(qa, qa_s * scale, rows, valid, eg, dm, ks, vs, c, h, k_ptr, v_ptr, sstates_ptr, sscale_ptr,
                       o_ptr, H, K, V, BK, BV, NV, PREC, FP16_STATES, SA, SB)
@@ -640,14 +659,14 @@ def _solve_bwd_rhs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, sstates_ptr,
     tl.store(r_ptr + rows * H + h, tl.sum(qa * dqa, 1), mask=valid)
 
 
-@autotune(name="recurrence", configs=_configs(), key=_KEY, restore_value=["r_ptr"])
+@autotune(name="recurrence", configs=_configs(), key=_KEY)
 @triton.jit
-def _solve_bwd_terms(k_ptr, g_ptr, beta_ptr, hstates_ptr, x_ptr, norm_ptr, z_ptr, dqd_ptr, dq_ptr, c_ptr, r_ptr,
+def _solve_bwd_terms(k_ptr, g_ptr, beta_ptr, hstates_ptr, x_ptr, norm_ptr, z_ptr, dqd_ptr, dq_ptr, c_ptr, rh_ptr,
                      chunk_start_ptr, chunk_end_ptr, ridge, H, K, V, WORK, HAS_BETA: tl.constexpr,
                      HAS_ALPHA: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
                      KEY_SCALE: tl.constexpr, VALUE_SCALE: tl.constexpr):
     """Backward, part 1c (per chunk), after z = CH(H_t + lambda_t I, dx_t): dq, c_t = a (x_t . z_t) / ||H_t||
-    and the gate terms -z_t . H_t x_t - c_t ||H_t||^2 (added to r)."""
+    and H's gate terms -z_t . H_t x_t - c_t ||H_t||^2 (stored as r_H; g_ptr: H's log gates)."""
     c, h = tl.program_id(0), tl.program_id(1)
     ck = tl.arange(0, BK)
     rows, valid, _gc, _, eg, dm, ks, _, _ = _chunk_prologue(
@@ -662,29 +681,30 @@ def _solve_bwd_terms(k_ptr, g_ptr, beta_ptr, hstates_ptr, x_ptr, norm_ptr, z_ptr
     # kb = ks k: the raw keys (fewer fp16x3 products, _dot) and both their scales in the mask
     hx = _matvec(x, kr, h0, eg, dm * (ks * ks)[None, :], PREC)
     cz = ridge * tl.sum(x * z, 1) / safe
-    gate_terms = tl.load(r_ptr + rows * H + h, mask=valid, other=0.0) - tl.sum(z * hx, 1) - cz * norm * norm
+    gate_terms = -tl.sum(z * hx, 1) - cz * norm * norm
     if HAS_ALPHA:
         z += _load_rows(dqd_ptr + h * K, rows, valid, H * K, 0, ck, K)
     tl.store(dq_ptr + rows[:, None] * (H * K) + h * K + ck[None, :], z.to(dq_ptr.dtype.element_ty),
              mask=valid[:, None] & (ck[None, :] < K))
     tl.store(c_ptr + rows * H + h, cz, mask=valid)
-    tl.store(r_ptr + rows * H + h, gate_terms, mask=valid)
+    tl.store(rh_ptr + rows * H + h, gate_terms, mask=valid)
 
 
 @triton.jit
-def _state_scan_bwd(q_ptr, k_ptr, do_ptr, g_ptr, beta_ptr, alpha_ptr, x_ptr, z_ptr, c_ptr, hstates_ptr,
+def _state_scan_bwd(q_ptr, k_ptr, do_ptr, g_ptr, gk_ptr, beta_ptr, alpha_ptr, x_ptr, z_ptr, c_ptr, hstates_ptr,
                     dh_final_ptr, ds_final_ptr, dh_ptr, ds_ptr, dh_init_ptr, ds_init_ptr, seq_first_ptr,
                     chunk_start_ptr, chunk_end_ptr, scale, H, K, V, HAS_BETA: tl.constexpr, HAS_ALPHA: tl.constexpr,
                     HAS_DH_FINAL: tl.constexpr, HAS_DS_FINAL: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr,
                     BB: tl.constexpr, PREC: tl.constexpr,
                     KEY_SCALE: tl.constexpr, VALUE_SCALE: tl.constexpr):
-    """Backward, part 2: both reverse scans in one launch (program_id(2): 0 for dL/dH, 1 for dL/dS).
+    """Backward, part 2: both reverse scans in one launch (program_id(2): 0 for dL/dH under gk, 1 for dL/dS
+    under g).
   """
     i_tile, i_nh = tl.program_id(0), tl.program_id(1)
     n, h = i_nh // H, i_nh % H
     if tl.program_id(2) == 0:
         if i_tile < tl.cdiv(K, BA) * tl.cdiv(K, BB):
-            _dscan_tile(q_ptr, k_ptr, do_ptr, g_ptr, beta_ptr, alpha_ptr, x_ptr, z_ptr, c_ptr, hstates_ptr,
+            _dscan_tile(q_ptr, k_ptr, do_ptr, gk_ptr, beta_ptr, alpha_ptr, x_ptr, z_ptr, c_ptr, hstates_ptr,
                         dh_final_ptr, dh_ptr, dh_init_ptr, seq_first_ptr, chunk_start_ptr, chunk_end_ptr, scale,
                         i_tile, n, h, H, K, K, False, HAS_BETA, HAS_ALPHA, HAS_DH_FINAL, BT, BA, BB, PREC,
                         KEY_SCALE, VALUE_SCALE)
@@ -809,15 +829,16 @@ def _grads_s_inter(v_ptr, g_ptr, beta_ptr, ds_ptr, dkbs_ptr, chunk_start_ptr, ch
              mask=valid[:, None] & (ck[None, :] < K))
 
 
-@autotune(name="recurrence", configs=_configs(), key=_KEY, restore_value=["r_ptr"])
+@autotune(name="recurrence", configs=_configs(), key=_KEY, restore_value=["r_ptr", "rh_ptr"])
 @triton.jit
 def _grads_s(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, x_ptr, do_ptr, ds_ptr, dkbh_ptr, dkbs_ptr, dk_ptr, dv_ptr,
-             dbeta_ptr, r_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, K, V, WORK, HAS_BETA: tl.constexpr,
+             dbeta_ptr, r_ptr, rh_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, K, V, WORK, HAS_BETA: tl.constexpr,
              HAS_ALPHA: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
              KEY_SCALE: tl.constexpr, VALUE_SCALE: tl.constexpr, KEY_SCALE_GRAD: tl.constexpr,
              VALUE_SCALE_GRAD: tl.constexpr):
     """Backward, part 3c (per chunk): dkb through S (P_j vb_j) and dvb = P_j^T kb_j with P_j the accumulated
-    gradient of S at token j; then dk, dv, dbeta and the gate terms - kb^T L kb - kb^T P vb."""
+    gradient of S at token j; then dk, dv, dbeta and the gate terms, - kb^T P vb added to r (S's, g_ptr's) and
+    - kb^T L kb to rh (H's)."""
     c, h = tl.program_id(0), tl.program_id(1)
     ck, cv = tl.arange(0, BK), tl.arange(0, BV)
     rows, valid, gc, gtot, _, dm, ks, vs, bt = _chunk_prologue(
@@ -846,9 +867,10 @@ def _grads_s(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, x_ptr, do_ptr, ds_
     dvb = scale * _dot(b2, do, PREC) + (ks * to_end)[:, None] * _dot(kr, ds, PREC)
     dkb_h = _load_rows(dkbh_ptr + h * K, rows, valid, H * K, 0, ck, K)
     dkb = dkb_h + dkb_s
-    gate_terms = tl.load(r_ptr + rows * H + h, mask=valid, other=0.0)
-    gate_terms += -0.5 * tl.sum(kb * dkb_h, 1) - tl.sum(vb * dvb, 1)
-    tl.store(r_ptr + rows * H + h, gate_terms, mask=valid)
+    s_terms = tl.load(r_ptr + rows * H + h, mask=valid, other=0.0) - tl.sum(vb * dvb, 1)
+    h_terms = tl.load(rh_ptr + rows * H + h, mask=valid, other=0.0) - 0.5 * tl.sum(kb * dkb_h, 1)
+    tl.store(r_ptr + rows * H + h, s_terms, mask=valid)
+    tl.store(rh_ptr + rows * H + h, h_terms, mask=valid)
     tl.store(dk_ptr + rows[:, None] * (H * K) + h * K + ck[None, :], (dkb * ks[:, None]).to(dk_ptr.dtype.element_ty),
              mask=valid[:, None] & (ck[None, :] < K))
     tl.store(dv_ptr + rows[:, None] * (H * V) + h * V + cv[None, :], (dvb * vs[:, None]).to(dv_ptr.dtype.element_ty),
@@ -950,8 +972,9 @@ def chunk_table(batch, length, cu_seqlens, chunk, device):
     return table
 
 
-def _states(config, scalings, k, v, g, beta, h_init, s_init, table, chunk, final, prec, fp16_fwd=None):
-    """Chunk-start states H [NC, H, K, K] and S [NC, H, K, V] from `prec` products (fp32), the final ones when
+def _states(config, scalings, k, v, g, gk, beta, h_init, s_init, table, chunk, final, prec, fp16_fwd=None):
+    """Chunk-start states H [NC, H, K, K] (gated by gk) and S [NC, H, K, V] (by g) from `prec` products (fp32), the
+    final ones when
     asked, and a dict of what the forward's kernels read besides (None for the backward, fp16_fwd None): the norm's
     parts of each H_0 (khk [NC, H, tiles, chunk], hsq [NC, H, tiles]; _scan_tile's NORM_PARTS) and, with fp16_fwd,
     the states as fp16 tiles with their power-of-two scales (hscale, sscale [NC, H, tiles]; FP16_STATES)."""
@@ -976,7 +999,7 @@ def _states(config, scalings, k, v, g, beta, h_init, s_init, table, chunk, final
                    sscale=_empty((n_chunks, heads, s_tiles), torch.float32, dev, poison) if fp16 else hst)
     has_init = h_init is not None
     _fit_carveout(_fast(_state_scan_fwd)[(tiles, n_seq * heads, 2)](
-        k, v, beta if beta is not None else g, g, h_init if has_init else hst, s_init if has_init else sst,
+        k, v, beta if beta is not None else g, g, gk, h_init if has_init else hst, s_init if has_init else sst,
         hst, sst, h_fin if final else hst, s_fin if final else sst, aux.get("khk", hst), aux.get("hsq", hst),
         aux.get("hscale", hst), aux.get("sscale", hst), first, start, end, heads, K, V, HAS_BETA=beta is not None,
         HAS_INIT=has_init, STORE_FINAL=final, BT=chunk, BA=ba, BB=bb, PREC=prec, NORM_PARTS=fwd,
@@ -984,17 +1007,20 @@ def _states(config, scalings, k, v, g, beta, h_init, s_init, table, chunk, final
     return hst, sst, h_fin, s_fin, aux if fwd else None
 
 
-def forward(config, hooks, q, k, v, g, beta, alpha, h_init, s_init, cu_seqlens, scale, ridge, num_iter, chunk, final,
-            save=True):
+def forward(config, hooks, q, k, v, g, gk, beta, alpha, h_init, s_init, cu_seqlens, scale, ridge, ridge_offset,
+            num_iter, chunk, final, save=True):
     """Returns o [B, T, H, V] (v's dtype), final states (or None), and x, ||H|| saved for the backward (save
-    False: no backward follows, x is not written and comes back empty)."""
+    False: no backward follows, x is not written and comes back empty). g gates S; gk gates H (None: g gates
+    both)."""
     poison = config.poison_outputs
     scalings = _scalings(config, hooks, beta)
     B, T, heads, K = q.shape
     V = v.shape[3]
     table = chunk_table(B, T, cu_seqlens, chunk, q.device)
     prec = solve_precision(config, q.dtype)
-    hst, sst, h_fin, s_fin, aux = _states(config, scalings, k, v, g, beta, h_init, s_init, table, chunk, final,
+    split = gk is not None
+    gk = gk if split else g
+    hst, sst, h_fin, s_fin, aux = _states(config, scalings, k, v, g, gk, beta, h_init, s_init, table, chunk, final,
                                           scan_precision(config, k.dtype), fp16_fwd=prec == "fp16")
     o = _empty(v.shape, v.dtype, q.device, poison)
     x = _empty(q.shape if save else (0,), torch.float32, q.device, poison)
@@ -1005,15 +1031,22 @@ def forward(config, hooks, q, k, v, g, beta, alpha, h_init, s_init, cu_seqlens, 
     beta_arg, alpha_arg = (beta if beta is not None else g), (alpha if alpha is not None else g)
     # in a kernel of its own: in the solve's prologue it cost the solve 162-167 us at T = 8192, more than the norm
     # kernel's 75-77 (H100, bench/log/2026-11-20-to-22.md)
-    _fit_carveout(_fast(_norm_fwd)[grid](k, g, beta_arg, aux["khk"], aux["hsq"], norm, table[1], table[2], heads, K, V,
+    _fit_carveout(_fast(_norm_fwd)[grid](k, gk, beta_arg, aux["khk"], aux["hsq"], norm, table[1], table[2], heads, K, V,
                                   NT=aux["h_tiles"], **opt))
     states = dict(FP16_STATES=aux["fp16"], SA=aux["SA"], SB=aux["SB"])
     bv = min(config.output_bv, _pow2(V))
     _fit_carveout(_fast(_solve)[grid](
-        q, k, g, beta_arg, alpha_arg, hst, aux["hscale"], norm, x, v, sst, aux["sscale"], o, float(scale), table[1],
-        table[2], float(ridge), hooks.rho(float(ridge)) ** 2, int(num_iter), heads, K, V, OUTPUT=True, STORE_OUT=save,
-        BV=bv, NV=_pow2(V) // bv, **states, **opt))
+        q, k, gk, g, beta_arg, alpha_arg, hst, aux["hscale"], norm, x, v, sst, aux["sscale"], o, float(scale),
+        table[1], table[2], float(ridge), float(ridge_offset), _rate2(hooks, ridge, ridge_offset), int(num_iter), heads,
+        K, V, SPLIT_GATES=split, TOKEN_RHO=ridge_offset > 0, OUTPUT=True, STORE_OUT=save, BV=bv, NV=_pow2(V) // bv,
+        **states, **opt))
     return o, h_fin, s_fin, x, norm
+
+
+def _rate2(hooks, ridge, ridge_offset):
+    """The squared Chebyshev rate shared by every token: without a ridge offset, the spec's rho of the ridge alone;
+    with one the kernels compute each token's (TOKEN_RHO) and this is unused."""
+    return float(hooks.rho(float(ridge))) ** 2 if ridge_offset == 0 else 0.0
 
 
 def _reverse_cumsum(r, table, B, T):
@@ -1030,9 +1063,10 @@ def _reverse_cumsum(r, table, B, T):
     return (suffix[:, :-1] - suffix[:, ends]).t().unsqueeze(0).to(r.dtype)
 
 
-def backward(config, hooks, do, dh_fin, ds_fin, q, k, v, g, beta, alpha, h_init, s_init, cu_seqlens, x, norm, h_fin,
-             s_fin, scale, ridge, num_iter, chunk):
-    """Gradients (dq, dk, dv, dg, dbeta, dalpha, dh_init, ds_init); None where the input was None."""
+def backward(config, hooks, do, dh_fin, ds_fin, q, k, v, g, gk, beta, alpha, h_init, s_init, cu_seqlens, x, norm,
+             h_fin, s_fin, scale, ridge, ridge_offset, num_iter, chunk):
+    """Gradients (dq, dk, dv, dg, dgk, dbeta, dalpha, dh_init, ds_init); None where the input was None (gk None: g
+    gates both states and dg has both states' terms)."""
     poison = config.poison_outputs
     scalings = _scalings(config, hooks, beta)
     B, T, heads, K = q.shape
@@ -1041,7 +1075,9 @@ def backward(config, hooks, do, dh_fin, ds_fin, q, k, v, g, beta, alpha, h_init,
     table = chunk_table(B, T, cu_seqlens, chunk, dev)
     first, start, end, n_seq, n_chunks, bounds = table
     # TF32 states (plain_precision) whatever the forward's: the gate gradient needs them (grad_precision)
-    hst, sst, _, _, _ = _states(config, scalings, k, v, g, beta, h_init, s_init, table, chunk, False,
+    split = gk is not None
+    gk = gk if split else g
+    hst, sst, _, _, _ = _states(config, scalings, k, v, g, gk, beta, h_init, s_init, table, chunk, False,
                                 plain_precision(config, k.dtype))
     do = do.contiguous()
     gb = beta if beta is not None else g
@@ -1050,7 +1086,8 @@ def backward(config, hooks, do, dh_fin, ds_fin, q, k, v, g, beta, alpha, h_init,
     dalpha = _empty(g.shape, torch.float32, dev, poison) if alpha is not None else None
     z = _empty(q.shape, torch.float32, dev, poison)
     cz = _empty(g.shape, torch.float32, dev, poison)
-    r = _empty(g.shape, torch.float32, dev, poison)
+    r = _empty(g.shape, torch.float32, dev, poison)  # dL/dG of S's cumulative gates, per token
+    rh = _empty(g.shape, torch.float32, dev, poison)  # and of H's
     common = dict(HAS_BETA=beta is not None, HAS_ALPHA=alpha is not None, BT=chunk,
                   PREC=grad_precision(config, q.dtype), WORK=_work(n_chunks, heads), **scalings)
     grid = (n_chunks, heads)
@@ -1060,10 +1097,11 @@ def backward(config, hooks, do, dh_fin, ds_fin, q, k, v, g, beta, alpha, h_init,
         q, k, v, g, gb, ga, sst, x, do, dx, dqd, dalpha if dalpha is not None else cz, r, start, end, float(scale),
         heads, K, V, BK=_pow2(K), BV=_pow2(V), **common))
     _fit_carveout(_fast(_solve)[grid](
-        dx, k, g, gb, ga, hst, hst, norm, z, z, z, z, z, 1.0, start, end, float(ridge), hooks.rho(float(ridge)) ** 2,
-        int(num_iter), heads, K, V, OUTPUT=False, STORE_OUT=True, BK=_pow2(K), BV=1, NV=1, FP16_STATES=False, SA=1,
-        SB=1, **dict(common, PREC=solve_precision(config, q.dtype))))
-    _fit_carveout(_fast(_solve_bwd_terms)[grid](k, g, gb, hst, x, norm, z, dqd, dq, cz, r, start, end, float(ridge),
+        dx, k, gk, gk, gb, ga, hst, hst, norm, z, z, z, z, z, 1.0, start, end, float(ridge), float(ridge_offset),
+        _rate2(hooks, ridge, ridge_offset), int(num_iter), heads, K, V, SPLIT_GATES=False, TOKEN_RHO=ridge_offset > 0,
+        OUTPUT=False, STORE_OUT=True, BK=_pow2(K), BV=1, NV=1, FP16_STATES=False, SA=1, SB=1,
+        **dict(common, PREC=solve_precision(config, q.dtype))))
+    _fit_carveout(_fast(_solve_bwd_terms)[grid](k, gk, gb, hst, x, norm, z, dqd, dq, cz, rh, start, end, float(ridge),
                                                 heads, K, V, BK=_pow2(K), **common))
     dh = _empty((n_chunks, heads, K, K), torch.float32, dev, poison)
     ds = _empty((n_chunks, heads, K, V), torch.float32, dev, poison)
@@ -1071,7 +1109,7 @@ def backward(config, hooks, do, dh_fin, ds_fin, q, k, v, g, beta, alpha, h_init,
     ds_init = _empty((n_seq, heads, K, V), torch.float32, dev, poison)
     ba, bb, tiles, warps = _scan_tiles(config.scan_tiles_bwd, K, V)
     _fit_carveout(_fast(_state_scan_bwd)[(tiles, n_seq * heads, 2)](
-        q, k, do, g, gb, ga, x, z, cz, hst, dh_fin if dh_fin is not None else dh,
+        q, k, do, g, gk, gb, ga, x, z, cz, hst, dh_fin if dh_fin is not None else dh,
         ds_fin if ds_fin is not None else ds, dh, ds, dh_init, ds_init, first, start, end, float(scale), heads, K,
         V, HAS_DH_FINAL=dh_fin is not None, HAS_DS_FINAL=ds_fin is not None, BA=ba, BB=bb, num_warps=warps,
         **_untuned(common)))
@@ -1079,27 +1117,24 @@ def backward(config, hooks, do, dh_fin, ds_fin, q, k, v, g, beta, alpha, h_init,
     dv = _empty(v.shape, v.dtype, dev, poison)
     dbeta = _empty(g.shape, torch.float32, dev, poison) if beta is not None else None
     dkb_h = _empty(q.shape, torch.float32, dev, poison)
-    _fit_carveout(_fast(_grads_h)[(n_chunks, heads)](k, g, gb, hst, x, z, cz, dh, dkb_h, start, end, heads, K, V,
+    _fit_carveout(_fast(_grads_h)[(n_chunks, heads)](k, gk, gb, hst, x, z, cz, dh, dkb_h, start, end, heads, K, V,
                                               BK=_pow2(K), **common))
     dkb_s = _empty(q.shape, torch.float32, dev, poison)
     _fit_carveout(_fast(_grads_s_inter)[(n_chunks, heads)](v, g, gb, ds, dkb_s, start, end, heads, K, V, BK=_pow2(K),
                                                     BV=_pow2(V), **common))
     _fit_carveout(_fast(_grads_s)[(n_chunks, heads)](
-        q, k, v, g, gb, ga, x, do, ds, dkb_h, dkb_s, dk, dv, dbeta if dbeta is not None else cz, r, start, end,
+        q, k, v, g, gb, ga, x, do, ds, dkb_h, dkb_s, dk, dv, dbeta if dbeta is not None else cz, r, rh, start, end,
         float(scale), heads, K, V, BK=_pow2(K), BV=_pow2(V), **common, KEY_SCALE_GRAD=hooks.key_scale_grad,
         VALUE_SCALE_GRAD=hooks.value_scale_grad))
     if dh_fin is not None or ds_fin is not None:
-        # the final states' own terms <dH_T, H_T> + <dS_T, S_T> belong to each sequence's last token
-        extra = torch.zeros((n_seq, heads), dtype=torch.float32, device=dev)
-        if dh_fin is not None:
-            extra += (dh_fin.float() * h_fin).sum((-1, -2))
-        if ds_fin is not None:
-            extra += (ds_fin.float() * s_fin).sum((-1, -2))
+        # the final states' own terms <dH_T, H_T>, <dS_T, S_T> belong to each sequence's last token
         nonempty = [n for n in range(n_seq) if bounds[n + 1] > bounds[n]]
-        flat = r.view(-1, heads)
         last = torch.tensor([bounds[n + 1] - 1 for n in nonempty], device=dev, dtype=torch.long)
-        flat.index_add_(0, last, extra[nonempty])
-    dg = _reverse_cumsum(r, table, B, T).to(g.dtype)
-    return (dq, dk, dv, dg, dbeta.to(beta.dtype) if beta is not None else None,
+        for terms, d_fin, fin in ((rh, dh_fin, h_fin), (r, ds_fin, s_fin)):
+            if d_fin is not None:
+                terms.view(-1, heads).index_add_(0, last, (d_fin.float() * fin).sum((-1, -2))[nonempty])
+    dg = _reverse_cumsum(r if split else r + rh, table, B, T).to(g.dtype)
+    dgk = _reverse_cumsum(rh, table, B, T).to(gk.dtype) if split else None
+    return (dq, dk, dv, dg, dgk, dbeta.to(beta.dtype) if beta is not None else None,
             dalpha.to(alpha.dtype) if alpha is not None else None,
             dh_init if h_init is not None else None, ds_init if s_init is not None else None)

@@ -4,8 +4,10 @@ compute, with the same hooks (KEY_SCALE, VALUE_SCALE of beta) and the same Cheby
 step d_i, omega_0 = 2, step0 = 2 / (L + mu)), so prefill by `chunk` and decoding by `recurrent` agree to fp32
 rounding. Inference only: no backward.
 
-recurrent(config, hooks, q, k, v, g, beta, alpha, h_init, s_init, scale, ridge, num_iter) -> (o, h_fin, s_fin)
-q, k [B, T, H, K], v [B, T, H, V], g, beta, alpha [B, T, H] (T: a few tokens, typically one); states fp32
+recurrent(config, hooks, q, k, v, g, gk, beta, alpha, h_init, s_init, scale, ridge, ridge_offset, num_iter)
+    -> (o, h_fin, s_fin)
+q, k [B, T, H, K], v [B, T, H, V], g, gk, beta, alpha [B, T, H] (T: a few tokens, typically one; g gates S, gk H,
+gk None: g both); states fp32
 (H [B, H, K, K], S [B, H, K, V], fla's layout), None for zero states.
 """
 
@@ -21,10 +23,10 @@ from ncd.launch import fast as _fast
 
 
 @triton.jit
-def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, h_ptr, s_ptr, o_ptr, h_out_ptr, s_out_ptr,
-                      scale, ridge, rho2, n_iter, T, H, K, V, HAS_BETA: tl.constexpr, HAS_ALPHA: tl.constexpr,
-                      HAS_INIT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KEY_SCALE: tl.constexpr,
-                      VALUE_SCALE: tl.constexpr):
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, gk_ptr, beta_ptr, alpha_ptr, h_ptr, s_ptr, o_ptr, h_out_ptr,
+                      s_out_ptr, scale, ridge, ridge_offset, rho2, n_iter, T, H, K, V, HAS_BETA: tl.constexpr,
+                      HAS_ALPHA: tl.constexpr, HAS_INIT: tl.constexpr, TOKEN_RHO: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, KEY_SCALE: tl.constexpr, VALUE_SCALE: tl.constexpr):
     bh = tl.program_id(0)
     b = bh // H
     head = bh % H
@@ -48,22 +50,30 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, h_ptr, s_
         k = tl.load(k_ptr + tok * K + ck, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + tok * V + cv, mask=v_ok, other=0.0).to(tl.float32)
         decay = tl.exp(tl.load(g_ptr + tok + one).to(tl.float32))
+        decay_h = tl.exp(tl.load(gk_ptr + tok + one).to(tl.float32))
         if HAS_BETA:  # noqa: SIM108 (a constexpr branch)
             bt = tl.load(beta_ptr + tok + one).to(tl.float32)
         else:
             bt = tl.full([1], 1.0, tl.float32)
         kb = k * KEY_SCALE(bt)
         vb = v * VALUE_SCALE(bt)
-        state_h = decay[:, None] * state_h + kb[:, None] * kb[None, :]
+        state_h = decay_h[:, None] * state_h + kb[:, None] * kb[None, :]
         state_s = decay[:, None] * state_s + kb[:, None] * vb[None, :]
         norm = tl.sqrt(tl.sum(tl.sum(state_h * state_h, 1), 0))
-        lam = ridge * norm
-        step0 = 2.0 / (tl.where(norm > 0, norm, 1.0) * (1.0 + 2.0 * ridge))  # 2 / (L + mu)
+        if TOKEN_RHO:  # a ridge offset: mu = lam > 0, and the rate is this token's (as kernel.py's _solve)
+            lam = ridge * norm + ridge_offset
+            step0 = 2.0 / (norm + 2.0 * lam)  # 2 / (L + mu)
+            rate = norm * (0.5 * step0)
+            rates = rate * rate
+        else:
+            lam = ridge * norm
+            step0 = 2.0 / (tl.where(norm > 0, norm, 1.0) * (1.0 + 2.0 * ridge))  # 2 / (L + mu)
+            rates = rho2
         x = step0 * q
         d = x
-        omega = rho2 * 0.0 + 2.0  # a tensor from the start: the loop carries one type
+        omega = rates * 0.0 + 2.0  # a tensor from the start: the loop carries one type
         for _ in range(n_iter):
-            omega = 4.0 / (4.0 - rho2 * omega)
+            omega = 4.0 / (4.0 - rates * omega)
             step = (omega - 1.0) * d - step0 * omega * (tl.sum(state_h * x[None, :], 1) + lam * x - q)
             x = x + step
             d = step
@@ -78,12 +88,14 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alpha_ptr, h_ptr, s_
 
 
 def recurrent(config: Any, hooks: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-              beta: torch.Tensor | None, alpha: torch.Tensor | None, h_init: torch.Tensor | None,
-              s_init: torch.Tensor | None, scale: float, ridge: float, num_iter: int) -> tuple:
+              gk: torch.Tensor | None, beta: torch.Tensor | None, alpha: torch.Tensor | None,
+              h_init: torch.Tensor | None, s_init: torch.Tensor | None, scale: float, ridge: float,
+              ridge_offset: float, num_iter: int) -> tuple:
     """o [B, T, H, V] in v's dtype and the states after the last token (fp32)."""
     B, T, heads, K = q.shape
     V = v.shape[3]
     q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+    gk = gk.contiguous() if gk is not None else g
     beta = beta.contiguous() if beta is not None else None
     alpha = alpha.contiguous() if alpha is not None else None
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -94,10 +106,12 @@ def recurrent(config: Any, hooks: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     states = (h_init.contiguous(), s_init.contiguous()) if h_init is not None and s_init is not None else None
     has_init = states is not None
     _fast(_recurrent_kernel)[(B * heads,)](
-        q, k, v, g, beta if beta is not None else g, alpha if alpha is not None else g,
+        q, k, v, g, gk, beta if beta is not None else g, alpha if alpha is not None else g,
         states[0] if states else h_fin, states[1] if states else s_fin, o, h_fin, s_fin,
-        float(scale), float(ridge), float(hooks.rho(float(ridge))) ** 2, int(num_iter), T, heads, K, V,
-        HAS_BETA=beta is not None, HAS_ALPHA=alpha is not None, HAS_INIT=has_init, BK=triton.next_power_of_2(K),
+        float(scale), float(ridge), float(ridge_offset),
+        float(hooks.rho(float(ridge))) ** 2 if ridge_offset == 0 else 0.0, int(num_iter), T, heads, K, V,
+        HAS_BETA=beta is not None, HAS_ALPHA=alpha is not None, HAS_INIT=has_init, TOKEN_RHO=ridge_offset > 0,
+        BK=triton.next_power_of_2(K),
         BV=triton.next_power_of_2(V), KEY_SCALE=hooks.key_scale, VALUE_SCALE=hooks.value_scale,
         num_warps=8)
     return o, h_fin, s_fin

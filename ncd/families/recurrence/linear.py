@@ -229,7 +229,11 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
         from ncd.families.recurrence.delta import recognize_delta
 
         return recognize_delta(rec, out, value, scale, output_factor, state, reader)
-    g_name, left, right = rec.gated_outer(scan, s_name)
+    gate, left, right = rec.gated_outer(scan, s_name)
+    if gate is None:
+        raise _fail(scan.body, "expected the decay `exp(g) * prev`: ungated linear attention is not compiled by this "
+                    "family")
+    g_name: str = gate
     g_axes = program.tensor(g_name).axes
     token_axes, head_first = token_layout(rec, q_name, kdim, scan)
     if len(g_axes) == 4 and g_axes[:3] == token_axes:

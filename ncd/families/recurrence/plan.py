@@ -39,8 +39,10 @@ class UnsupportedRecurrence(NcdError):
     template = "{detail}"
 
 
+VALIDATION_TIME = 37  # tokens per sequence of the check's draws
 BETA = sympy.Symbol("bt", real=True)  # the per-token scaling input inside the kernels
 RIDGE = sympy.Symbol("a", positive=True)
+OFFSET = sympy.Symbol("b", positive=True)  # the ridge's constant term: lam = a ||H|| + b
 NORM = sympy.Symbol("n", positive=True)
 
 
@@ -49,7 +51,7 @@ class RecurrenceRoles:
     q: str
     k: str
     v: str
-    g: str
+    g: str | None  # the gate of U (None: U ungated)
     beta: str | None
     alpha: str | None
     scale: str | None
@@ -63,6 +65,14 @@ class RecurrenceRoles:
     H: str
     U: str
     head_first: bool = False  # inputs declared [batch head time dim]
+    gk: str | None = None  # the gate of H: g's name where the two states share one gate; None: H ungated
+
+    @property
+    def h_gate(self) -> str | None:
+        """The op's role of H's gate: "g" (shared with U), "gk" (an input of its own) or None (ungated)."""
+        if self.gk is None:
+            return None
+        return "g" if self.gk == self.g else "gk"
 
 
 @dataclass(frozen=True)
@@ -72,9 +82,10 @@ class RecurrencePlan:
     iterations: int
     key_scale: sympy.Expr  # in BETA
     value_scale: sympy.Expr
-    rho: sympy.Expr  # in RIDGE
+    rho: sympy.Expr  # in RIDGE (and NORM, OFFSET with a ridge offset)
     origins: dict[str, str] = field(compare=False)
     output_factor: float = 1.0  # constant factors of the output beside the scale input (the op multiplies them in)
+    ridge_offset: float = 0.0  # lam = ridge ||H||_F + ridge_offset
     # What the plan decides for the kernels (config.py); the generated module embeds it, precisions left None (by
     # input dtype) for NCD_GKA_DOT_PRECISION / NCD_GKA_GRAD_PRECISION at import. None: from the fields above.
     config: RecurrenceConfig = field(default=None)  # type: ignore[assignment]
@@ -84,23 +95,42 @@ class RecurrencePlan:
         if self.config is None:
             object.__setattr__(self, "config", RecurrenceConfig(
                 iterations=self.iterations, ridge=self.ridge, output_factor=float(self.output_factor),
-                scaling_input=self.roles.beta is not None))
+                scaling_input=self.roles.beta is not None, ridge_offset=self.ridge_offset))
 
     @property
     def output(self) -> str:
         return self.roles.output
 
+    def _gates(self) -> tuple[str, str, str]:
+        """The roles' text for the gates, and each state's decay in the chunked form."""
+        r = self.roles
+        if r.h_gate == "g":
+            return f"log gate {r.g}", "exp(G_t - G_s)", "exp(G_t - G_s)"
+        roles = f"log gates {r.g or '- (U ungated)'} of {r.U}, {r.gk or '- (H ungated)'} of {r.H}"
+        return roles, "exp(Gk_t - Gk_s)" if r.gk else "1", "exp(G_t - G_s)" if r.g else "1"
+
+    def _ridge_lines(self) -> list[str]:
+        lam = " + ".join(t for t in (f"{self.ridge:g} ||H_t||" if self.ridge else "", f"{self.ridge_offset:g}"
+                                     if self.ridge_offset else "") if t)
+        if not self.ridge_offset:
+            return [f"    lambda_t = {lam},  rho = (L - mu)/(L + mu) = {self.rho} = "
+                    f"{float(self.rho.subs(RIDGE, self.ridge)):.6f} for every token: one omega schedule"]
+        rate = self.rho.subs({RIDGE: self.ridge, OFFSET: self.ridge_offset})
+        return [f"    lambda_t = {lam},  rho_t = (L - mu)/(L + mu) = {self.rho} = {rate} (n = ||H_t||): an omega "
+                "schedule per token"]
+
     def describe(self) -> list[str]:
         r = self.roles
+        gates, h_decay, u_decay = self._gates()
         return [
             "kernel family: gated outer-product recurrence with a ridge solve (Gated KalmaNet)",
-            f"  roles: queries {r.q}, keys {r.k}, values {r.v}, log gate {r.g}, scaling {r.beta or '-'}, "
+            f"  roles: queries {r.q}, keys {r.k}, values {r.v}, {gates}, scaling {r.beta or '-'}, "
             f"alpha {r.alpha or '-'}, scale {r.scale or '1'}"
             f"{f' times {self.output_factor:g}' if self.output_factor != 1.0 else ''}; scan over '{r.time}', "
             f"per ({r.batch}, {r.head})"
             f"{'; head-first inputs, run as batch x head sequences of one head' if r.head_first else ''}",
-            f"  states: {r.H}[{r.kdim} {r.kcol}] = sum_s exp(G_t - G_s) kb_s kb_s^T  ({self.origins['H']}),  "
-            f"{r.U}[{r.vdim} {r.kdim}] = sum_s exp(G_t - G_s) vb_s kb_s^T  ({self.origins['U']})",
+            f"  states: {r.H}[{r.kdim} {r.kcol}] = sum_s {h_decay} kb_s kb_s^T  ({self.origins['H']}),  "
+            f"{r.U}[{r.vdim} {r.kdim}] = sum_s {u_decay} vb_s kb_s^T  ({self.origins['U']})",
             f"  scalings: kb = {r.k} * ({self.key_scale}),  vb = {r.v} * ({self.value_scale})  [bt = {r.beta}]",
             "chunked form (chunk C; G = cumulative log gate inside a chunk; D[t, s] = exp(G_t - G_s) for s <= t):",
             "  pass 1 (sequential over chunks, both states in one launch): chunk-start states H_0 [K, K], S_0 = U_0^T"
@@ -109,8 +139,9 @@ class RecurrencePlan:
             "  pass 2 (parallel over chunks): H_t x = exp(G_t) H_0 x + ((x Kb^T) o D) Kb   (H_t never formed)",
             "    ||H_t||^2 = exp(2 G_t) ||H_0||^2 + 2 exp(G_t) rowsum(D diag(kb^T H_0 kb)) + rowsum(D o (D (G o G))),"
             " G = Kb Kb^T  (Gram form)",
-            f"    lambda_t = {self.ridge:g} ||H_t||,  rho = (L - mu)/(L + mu) = {self.rho} = "
-            f"{float(self.rho.subs(RIDGE, self.ridge)):.6f} for every token: one omega schedule",
+            *(["  two gates: each kernel takes H's cumulative gates where it reads H and U's where it reads U; the "
+               "gate gradients are summed per state (r_H, r_U)"] if r.h_gate != "g" else []),
+            *self._ridge_lines(),
             f"    {self.iterations} Chebyshev steps on all C tokens at once, 3 matrix products each; "
             "o = scale (exp(G_t) qa S_0 + ((qa Kb^T) o D) Vb)",
             "backward (implicit differentiation, papers/gated-kalmanet.txt eq. 6-10, 23):",
@@ -136,7 +167,7 @@ class RecurrencePlan:
 
     def validation_sizes(self, program: ir.Program) -> dict[str, int]:
         r = self.roles
-        sizes = {r.batch: 2, r.time: 37, r.head: 2}
+        sizes = {r.batch: 2, r.time: VALIDATION_TIME, r.head: 2}
         for axis in (r.kdim, r.kcol, r.vdim):
             sizes[axis] = program.axis(axis).fixed or 24
         return sizes
@@ -152,7 +183,8 @@ class RecurrencePlan:
         out = dict(inputs)
         for name in (r.q, r.k):
             out[name] = torch.nn.functional.normalize(inputs[name].float(), dim=-1).to(inputs[name].dtype)
-        out[r.g] = torch.nn.functional.logsigmoid(inputs[r.g].float() + 3.0).to(inputs[r.g].dtype)
+        for gate in {r.g, r.gk} - {None}:
+            out[gate] = torch.nn.functional.logsigmoid(inputs[gate].float() + 3.0).to(inputs[gate].dtype)
         for optional in (r.beta, r.alpha):
             if optional is not None:
                 out[optional] = torch.sigmoid(inputs[optional].float()).to(inputs[optional].dtype)
@@ -163,17 +195,22 @@ class RecurrencePlan:
     # ridge), reached on a sequence's first tokens. fp32 inputs get fp32 products ("ieee") by default: their
     # error is the fp32 rounding's, 2^-24 / ridge, with a margin (measured per token on the interpreter: o 2e-5,
     # gradients up to 2.3e-4 for dg, whose reverse sum cancels).
+    # With a ridge offset b, lam_t >= a ||H_t|| + b and ||H_t|| <= t at the check's draws (unit keys, beta <= 1):
+    # the bounds take a + b / T at its T.
+    def _ridge_floor(self) -> float:
+        return self.ridge + self.ridge_offset / VALIDATION_TIME
+
     @property
     def output_tolerance(self) -> dict[str, float]:
-        bound = 2.0 ** -11 / self.ridge
-        fp32 = 2.0 ** -20 / self.ridge if _fp32_products() else bound
+        bound = 2.0 ** -11 / self._ridge_floor()
+        fp32 = 2.0 ** -20 / self._ridge_floor() if _fp32_products() else bound
         return {"float32": fp32, "bfloat16": max(1e-2, bound), "float16": max(5e-3, bound)}
 
     # the gradients combine two solves' rounding (x and the adjoint z), hence twice the output's bound (`ncd
     # check`'s reference differentiates the solve implicitly too, so the iteration's convergence is not in it)
     @property
     def gradient_tolerance(self) -> dict[str, float]:
-        bound = 2.0 ** -10 / self.ridge
+        bound = 2.0 ** -10 / self._ridge_floor()
         fp32 = 1e-3 if _fp32_products() else max(2e-2, bound)
         return {"float32": fp32, "bfloat16": max(3e-2, bound), "float16": max(3e-2, bound)}
 
@@ -247,17 +284,19 @@ class _Recognizer:
         x_name, q_name, alpha = self.alpha_connection(qa_name, qa_value)
         solve = self.lets[x_name].value
         assert isinstance(solve, ir.ChebyshevSolve)
-        h_name, lam_name, norm_name, ridge = self.ridge_system(solve, q_name)
+        h_name, ridge_lets, ridge, ridge_offset = self.ridge_system(solve)
+        # the contraction rate (L - mu) / (L + mu) with the ridge's constants as symbols: free of the norm (one
+        # schedule for every token) exactly when the offset is 0
+        lam = RIDGE * NORM + (OFFSET if ridge_offset else 0)
+        rho = sympy.simplify(((NORM + lam) - lam) / ((NORM + lam) + lam))
         h_scan, u_scan = self.lets[h_name].value, self.lets[u_name].value
         assert isinstance(h_scan, ir.Scan) and isinstance(u_scan, ir.Scan)
         g_h, kb1, kb2 = self.gated_outer(h_scan, h_name)
         g_u, vb, kb3 = self.gated_outer(u_scan, u_name)
-        if g_h != g_u:
-            raise _fail(u_scan, f"the two scans must share one gate; {h_name} uses {g_h}, {u_name} uses {g_u}")
         if not (kb1.tensor == kb2.tensor == kb3.tensor):
             raise _fail(h_scan, f"expected {h_name} = scan(exp(g) * prev + kb * kb[...]) and {u_name} = "
                         "scan(exp(g) * prev + vb * kb) with the same kb")
-        self.claimed = [n for n in (qa_name, x_name, h_name, u_name, lam_name, norm_name, kb1.tensor, vb.tensor)
+        self.claimed = [n for n in (qa_name, x_name, h_name, u_name, *ridge_lets, kb1.tensor, vb.tensor)
                         if n in self.lets]
         k_name, beta1, key_scale = self.scaled_input(kb1.tensor)
         v_name, beta2, value_scale = self.scaled_input(vb.tensor)
@@ -288,20 +327,22 @@ class _Recognizer:
         if vdim is None:
             raise _fail(self.lets[u_name], f"expected {u_name}[{batch} {time} {head} vdim {kdim}]: the values' "
                         "axis is missing")
-        for name, axes in ((k_name, (*token, kdim)), (v_name, (*token, vdim)), (g_h, token), (beta, token),
-                           (alpha, token)):
+        for name, axes in ((k_name, (*token, kdim)), (v_name, (*token, vdim)), (g_u, token), (g_h, token),
+                           (beta, token), (alpha, token)):
             if name is not None and self.program.tensor(name).axes != axes:
                 raise _fail(self.program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (the layout of "
                             f"{q_name})")
         roles_by_name: dict[str, str] = {}
-        for role, name in (("queries", q_name), ("keys", k_name), ("values", v_name), ("log gate", g_h),
+        gate_roles = [("log gate", g_u)] if g_h == g_u else [(f"log gate of {u_name}", g_u),
+                                                             (f"log gate of {h_name}", g_h)]
+        for role, name in (("queries", q_name), ("keys", k_name), ("values", v_name), *gate_roles,
                            ("scaling", beta), ("alpha", alpha), ("scale", scale)):
             if name is not None and roles_by_name.setdefault(name, role) != role:
                 raise _fail(self.program.tensor(name).span, f"{name} serves as both the {roles_by_name[name]} "
                             f"and the {role} of the recurrence; each role needs an input of its own")
         for t in self.program.inputs:
             if t.name not in roles_by_name:
-                raise _fail(t.span, f"{t.name} has no role in the recurrence (queries, keys, values, log gate, "
+                raise _fail(t.span, f"{t.name} has no role in the recurrence (queries, keys, values, log gates, "
                             "scaling, alpha, scale): the family would ignore it")
         if self.program.params:
             param = self.program.params[0]
@@ -310,21 +351,19 @@ class _Recognizer:
                                            u_name: {(*token, vdim), (*token, kdim)}})
         self.check_state_axes(h_name, h_scan, token, {kdim, kcol})
         self.check_state_axes(u_name, u_scan, token, {vdim, kdim})
-        rho = sympy.simplify(((NORM + RIDGE * NORM) - RIDGE * NORM) / ((NORM + RIDGE * NORM) + RIDGE * NORM))
-        if rho.has(NORM):
-            raise _fail(solve, "the Chebyshev contraction rate depends on the token; expected mu = lam, "
-                        "L = normH + lam")
-        roles = RecurrenceRoles(q=q_name, k=k_name, v=v_name, g=g_h, beta=beta, alpha=alpha, scale=scale,
+        roles = RecurrenceRoles(q=q_name, k=k_name, v=v_name, g=g_u, beta=beta, alpha=alpha, scale=scale,
                                 output=out, batch=batch, time=time, head=head, kdim=kdim, kcol=kcol, vdim=vdim,
-                                H=h_name, U=u_name, head_first=head_first)
-        origins = {"H": self.origin(h_name), "U": self.origin(u_name), "norm": self.origin(norm_name),
-                   "lam": self.origin(lam_name), "solve": self.origin(x_name), "qa": self.origin(qa_name),
+                                H=h_name, U=u_name, head_first=head_first, gk=g_h)
+        ridge_origin = self.origin(ridge_lets[0]) if ridge_lets else self.origin(x_name)
+        origins = {"H": self.origin(h_name), "U": self.origin(u_name), "lam": ridge_origin,
+                   "solve": self.origin(x_name), "qa": self.origin(qa_name),
                    "output": self.origin(out),
                    "key_scale": self.origin(kb1.tensor) if kb1.tensor in self.lets else self.origin(h_name),
                    "value_scale": self.origin(vb.tensor) if vb.tensor in self.lets else self.origin(u_name),
                    "scale": (f"{self.file}:{self.program.tensor(scale).span.line}" if scale else self.origin(out))}
         return RecurrencePlan(roles=roles, ridge=ridge, iterations=solve.iterations, key_scale=key_scale,
-                              value_scale=value_scale, rho=rho, origins=origins, output_factor=output_factor)
+                              value_scale=value_scale, rho=rho, origins=origins, output_factor=output_factor,
+                              ridge_offset=ridge_offset)
 
     # -- pieces --
 
@@ -414,9 +453,10 @@ class _Recognizer:
                         "(the alpha-connection)")
         return x_name, q_name, alpha
 
-    def ridge_system(self, solve: ir.ChebyshevSolve, q_name: str) -> tuple[str, str, str, float]:
-        """matrix = H + lam * where(row == col, 1, 0), lam = ridge * normH, normH = sqrt(sum(H^2)), mu = lam,
-        L = normH + lam."""
+    def ridge_system(self, solve: ir.ChebyshevSolve) -> tuple[str, list[str], float, float]:
+        """matrix = H + lam * where(a == b, 1, 0) with lam = ridge ||H||_F + offset (constants ridge, offset >= 0,
+        not both 0; lam a definition or an expression), ||H||_F = sqrt(sum(H^2, over both state axes)); mu = lam and
+        L = ||H||_F + lam, as sympy sees them. Returns H's name, the definitions read, ridge and offset."""
         m = solve.matrix
         if not (isinstance(m, ir.Binary) and m.op == "+"):
             raise _fail(m, "expected the solve's matrix to be `H + lam * where(kdim == kcol, 1, 0)`")
@@ -437,34 +477,49 @@ class _Recognizer:
         if compared != state_axes or len(compared) != 2:
             raise _fail(eye.cond, f"expected the identity over {h_name}'s two state axes: "
                         f"`where({' == '.join(sorted(state_axes))}, 1, 0)`")
-        lam_name, lam_value = self.let_of(lam_side, "the ridge lambda", ridge_side)
-        factors = _product_factors(lam_value)
-        numbers = [_number(f) for f in factors]
-        rest = [f for f, n in zip(factors, numbers, strict=True) if n is None]
-        ridge = 1.0
-        for n in numbers:
-            ridge *= n if n is not None else 1.0
-        if len(rest) != 1 or len(rest) == len(factors) or not ridge > 0:
-            raise _fail(self.lets[lam_name], f"expected {lam_name} = ridge * normH with a positive constant ridge")
-        norm_side = rest[0]
-        norm_name, norm_value = self.let_of(norm_side, "||H||_F", lam_value)
-        if not (isinstance(norm_value, ir.Unary) and norm_value.fn == "sqrt" and isinstance(norm_value.arg, ir.Reduce)
-                and norm_value.arg.op == "sum" and isinstance(norm_value.arg.arg, ir.Pow)
-                and norm_value.arg.arg.exponent == 2 and isinstance(norm_value.arg.arg.base, ir.Load)
-                and norm_value.arg.arg.base.tensor == h_name and set(norm_value.arg.over) == state_axes
-                and len(norm_value.arg.over) == 2):
-            raise _fail(self.lets[norm_name], f"expected {norm_name} = sqrt(sum({h_name}^2, over both state axes)): "
-                        "the Frobenius norm")
-        if not (isinstance(solve.mu, ir.Load) and solve.mu.tensor == lam_name):
-            raise _fail(solve, f"expected mu = {lam_name}")
-        lip = solve.lipschitz
-        if not (isinstance(lip, ir.Binary) and lip.op == "+" and
-                {getattr(lip.lhs, "tensor", None), getattr(lip.rhs, "tensor", None)} == {norm_name, lam_name}):
-            raise _fail(solve, f"expected L = {norm_name} + {lam_name} (the spectrum bound of H + lam I)")
-        return h_name, lam_name, norm_name, ridge
+        read: list[str] = []
+        lam = sympy.expand(self.norm_expression(lam_side, h_name, state_axes, read))
+        poly = sympy.Poly(lam, NORM) if lam.is_polynomial(NORM) else None
+        coeffs = [c for c in (poly.all_coeffs() if poly is not None else []) if c.is_number]
+        if poly is None or poly.degree() > 1 or len(coeffs) != poly.degree() + 1:
+            raise _fail(lam_side, f"the ridge is {lam} in the norm n = ||{h_name}||_F; the family takes "
+                        "lam = ridge * n + offset with constants ridge, offset >= 0",
+                        hint="a ridge from another norm (the trace, a maximum) is not compiled by this family yet")
+        ridge, offset = (float(coeffs[0]), float(coeffs[1])) if poly.degree() == 1 else (0.0, float(coeffs[0]))
+        if ridge < 0 or offset < 0 or ridge + offset <= 0:
+            raise _fail(lam_side, f"the ridge lam = {lam} (n = ||{h_name}||_F) must be positive: ridge * n + offset "
+                        "with ridge, offset >= 0, not both 0 (the solve's lower spectrum bound mu)")
+        mu = self.norm_expression(solve.mu, h_name, state_axes, read)
+        if sympy.simplify(mu - lam) != 0:
+            raise _fail(solve, f"expected mu = lam, the ridge ({lam}); got mu = {mu}")
+        lip = self.norm_expression(solve.lipschitz, h_name, state_axes, read)
+        if sympy.simplify(lip - (NORM + lam)) != 0:
+            raise _fail(solve, f"expected L = ||{h_name}||_F + lam (the spectrum bound of H + lam I), {NORM + lam}; "
+                        f"got L = {lip}")
+        return h_name, list(dict.fromkeys(read)), ridge, offset
 
-    def gated_outer(self, scan: ir.Scan, name: str) -> tuple[str, ir.Load, ir.Load]:
-        """exp(g) * prev + a * b with g an input per token and a, b per-token vectors on different axes."""
+    def norm_expression(self, node: ir.Node, h_name: str, state_axes: set[str], read: list[str]) -> sympy.Expr:
+        """A per-token expression of constants and ||H||_F (the symbol NORM), through the definitions it reads
+        (their names added to `read`)."""
+
+        def leaf(n: ir.Node) -> sympy.Expr | None:
+            if isinstance(n, ir.Const):
+                return None
+            if (isinstance(n, ir.Reduce) and n.op == "sum" and set(n.over) == state_axes and len(n.over) == 2
+                    and isinstance(n.arg, ir.Pow) and n.arg.exponent == 2 and isinstance(n.arg.base, ir.Load)
+                    and n.arg.base.tensor == h_name):
+                return NORM ** 2
+            if isinstance(n, ir.Load) and n.tensor in self.lets and not isinstance(self.lets[n.tensor].value, ir.Scan):
+                read.append(n.tensor)
+                return to_sympy(self.lets[n.tensor].value, leaf=leaf, arithmetic=_PER_TOKEN_ARITHMETIC)
+            raise _fail(n, f"the ridge, mu and L are built from constants and ||{h_name}||_F = "
+                        f"sqrt(sum({h_name}^2, over {' '.join(sorted(state_axes))})); this is not one of them")
+
+        return to_sympy(node, leaf=leaf, arithmetic=_PER_TOKEN_ARITHMETIC)
+
+    def gated_outer(self, scan: ir.Scan, name: str) -> tuple[str | None, ir.Load, ir.Load]:
+        """exp(g) * prev + a * b (or prev + a * b: no gate, None) with g an input per token and a, b per-token
+        vectors on different axes."""
         if scan.init is not None:
             raise _fail(scan, "initial states come from the op's `initial_state` argument, not the spec")
         body = scan.body
@@ -475,13 +530,15 @@ class _Recognizer:
         if sum(isinstance(n, ir.Prev) for n in ir.walk(body)) != 1 or any(
                 isinstance(n, ir.Prev) for n in ir.walk(update)):
             raise _fail(body, f"expected {name} = scan(exp(g) * prev + a * b, over time): `prev` once, in the decay")
-        if not (isinstance(decay, ir.Binary) and decay.op == "*" and
-                (isinstance(decay.lhs, ir.Prev) or isinstance(decay.rhs, ir.Prev))):
-            raise _fail(decay, "expected the decay `exp(g) * prev`")
-        gate = decay.lhs if isinstance(decay.rhs, ir.Prev) else decay.rhs
-        if not (isinstance(gate, ir.Unary) and gate.fn == "exp"):
-            raise _fail(gate, "expected a gate exp(g) with g a natural-log gate input (fla convention)")
-        g_name = self.input_of(gate.arg, "the log gate")
+        g_name = None
+        if not isinstance(decay, ir.Prev):
+            if not (isinstance(decay, ir.Binary) and decay.op == "*" and
+                    (isinstance(decay.lhs, ir.Prev) or isinstance(decay.rhs, ir.Prev))):
+                raise _fail(decay, "expected the decay `exp(g) * prev` (or `prev`: no gate)")
+            gate = decay.lhs if isinstance(decay.rhs, ir.Prev) else decay.rhs
+            if not (isinstance(gate, ir.Unary) and gate.fn == "exp"):
+                raise _fail(gate, "expected a gate exp(g) with g a natural-log gate input (fla convention)")
+            g_name = self.input_of(gate.arg, "the log gate")
         if not (isinstance(update, ir.Binary) and update.op == "*" and isinstance(update.lhs, ir.Load)
                 and isinstance(update.rhs, ir.Load)):
             raise _fail(update, "expected the update to be an outer product `a * b[...]` of two per-token vectors")

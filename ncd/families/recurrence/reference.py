@@ -18,9 +18,13 @@ def _scaled(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor | None) -> tupl
     return k * (beta[..., None] + 1e-6), v * (beta[..., None] + 1e-6)
 
 
+SHARED = "g"  # naive_gka's gk: H takes U's gate
+
+
 def naive_gka(q, k, v, g, beta=None, alpha=None, scale=None, ridge=0.02, num_iter=30, initial_state=None,
-              exact=False):
-    """Returns (o [B, T, H, V], (H_T, S_T)); computes in q's dtype (pass float64 for an oracle)."""
+              exact=False, gk=SHARED, ridge_offset=0.0):
+    """Returns (o [B, T, H, V], (H_T, S_T)); computes in q's dtype (pass float64 for an oracle). g: U's log gates
+    (None: ungated); gk: H's (SHARED: g's; None: ungated); lambda = ridge ||H|| + ridge_offset."""
     B, T, heads, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
@@ -32,12 +36,16 @@ def naive_gka(q, k, v, g, beta=None, alpha=None, scale=None, ridge=0.02, num_ite
         h, s = (t.to(q.dtype) for t in initial_state)
     eye = torch.eye(K, dtype=q.dtype, device=q.device)
     outs = []
+    gk = g if gk is SHARED else gk
+
+    def decay(gate: torch.Tensor | None, t: int) -> torch.Tensor | float:
+        return 1.0 if gate is None else gate[:, t].exp()[..., None, None].to(q.dtype)
+
     for t in range(T):
-        decay = g[:, t].exp()[..., None, None].to(q.dtype)
-        h = decay * h + kb[:, t, :, :, None] * kb[:, t, :, None, :]
-        s = decay * s + kb[:, t, :, :, None] * vb[:, t, :, None, :]
+        h = decay(gk, t) * h + kb[:, t, :, :, None] * kb[:, t, :, None, :]
+        s = decay(g, t) * s + kb[:, t, :, :, None] * vb[:, t, :, None, :]
         norm = h.pow(2).sum((-1, -2)).sqrt()[..., None]
-        lam = ridge * norm
+        lam = ridge * norm + ridge_offset
         system = h + lam[..., None] * eye
         if exact:
             x = torch.linalg.solve(system, q[:, t])

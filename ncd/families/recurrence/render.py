@@ -16,7 +16,7 @@ from ncd import ir
 from ncd.codegen.shared import CodegenError, default_code, environment
 from ncd.families.recurrence.delta import DeltaRulePlan
 from ncd.families.recurrence.linear import LinearScanPlan
-from ncd.families.recurrence.plan import BETA, RIDGE, RecurrencePlan
+from ncd.families.recurrence.plan import BETA, OFFSET, RIDGE, RecurrencePlan
 from ncd.source import origin_name
 from ncd.symbolic import triton_expr
 
@@ -35,7 +35,8 @@ def render_recurrence_module(program: ir.Program, plan: RecurrencePlan, op_id: s
     r = plan.roles
     env = environment()
     ks, vs = plan.key_scale, plan.value_scale
-    rho_python = sympy.pycode(plan.rho.subs(RIDGE, sympy.Symbol("a")))
+    # the rate without an offset: the hook serves a call with ridge_offset 0 (with one, the kernels take each token's)
+    rho_python = sympy.pycode(sympy.simplify(plan.rho.subs(OFFSET, 0)).subs(RIDGE, sympy.Symbol("a")))
     config = plan.config
     kernels = env.get_template("recurrence.py.jinja").render(
         spec_name=program.name, origin_file=origin_name(program.source.filename), roles=r,
@@ -44,24 +45,30 @@ def render_recurrence_module(program: ir.Program, plan: RecurrencePlan, op_id: s
         value_scale=_device_expr(vs), value_scale_grad=_device_expr(sympy.diff(vs, BETA)),
         key_scale_text=f"({ks})".replace("bt", r.beta or "1"), value_scale_text=f"({vs})".replace("bt", r.beta or "1"),
         rho_text=str(plan.rho), rho_python=rho_python,
+        h_decay=f"exp({r.gk}_t) " if r.gk else "", s_decay=f"exp({r.g}_t) " if r.g else "",
     )
     inputs = [t for t in program.inputs]
     params = [t.name if t.default is None else f"{t.name}=None" for t in inputs]
     required = [f"({t.name!r}, {t.name})" for t in inputs if t.default is None]
-    present = {"beta": r.beta is not None, "alpha": r.alpha is not None, "scale": r.scale is not None}
-    by_role = {r.q: "q", r.k: "k", r.v: "v", r.g: "g", r.beta: "beta", r.alpha: "alpha", r.scale: "scale"}
+    h_gate = r.h_gate
+    gk = r.gk if h_gate == "gk" else None  # an input of its own
+    present = {"beta": r.beta is not None, "alpha": r.alpha is not None, "scale": r.scale is not None,
+               "g": r.g is not None, "gk": gk is not None}
+    by_role: dict[str | None, str] = {r.q: "q", r.k: "k", r.v: "v", r.beta: "beta", r.alpha: "alpha", r.scale: "scale",
+                                      gk: "gk", r.g: "g"}
     call_args = ", ".join(f"{by_role[t.name]}={t.name}" for t in inputs)
     scale_input = program.tensor(r.scale) if r.scale else None
     scale_default = "1.0" if scale_input is None else (
         default_code(program, scale_input) if scale_input.default is not None else "None")
-    axes = {role: tuple(program.tensor(name).axes) for role, name in
-            (("q", r.q), ("k", r.k), ("v", r.v), ("g", r.g), ("o", r.output))}
-    axes["beta"] = tuple(program.tensor(r.beta).axes) if r.beta else (r.batch, r.time, r.head)
-    axes["alpha"] = tuple(program.tensor(r.alpha).axes) if r.alpha else (r.batch, r.time, r.head)
+    token = (r.batch, r.head, r.time) if r.head_first else (r.batch, r.time, r.head)
+    axes = {role: tuple(program.tensor(name).axes) if name else token for role, name in
+            (("q", r.q), ("k", r.k), ("v", r.v), ("g", r.g), ("gk", gk), ("o", r.output))}
+    axes["beta"] = tuple(program.tensor(r.beta).axes) if r.beta else token
+    axes["alpha"] = tuple(program.tensor(r.alpha).axes) if r.alpha else token
     op = env.get_template("recurrence_op.py.jinja").render(
         spec_name=program.name, op_id=op_id, origin_file=origin_name(program.source.filename), roles=_Roles(r),
         origins=plan.origins, params=params, call_args=call_args, scale_default=scale_default, required=required,
-        present=present,
+        present=present, h_gate=h_gate,
         axes_table=repr({a.name: (a.fixed, a.factors) for a in program.axes}), axes=axes,
     )
     text = kernels + op
