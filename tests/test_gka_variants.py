@@ -5,14 +5,12 @@ interpreter: forward, final states and every gradient, decoding after a chunked 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ncd
+from ncd.backend import FallbackWarning
 from ncd.errors import CallError
 from ncd.families.recurrence.reference import naive_gka
 
@@ -62,7 +60,7 @@ def variant_ops(tmp_path_factory):
     return ops
 
 
-def draw(B=2, T=53, H=2, seed=0):
+def draw(B=1, T=37, H=2, seed=0):  # T 37: three chunks of 16, the last one partial
     gen = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
@@ -96,7 +94,7 @@ def naive_gates(name: str, gates: dict) -> dict:
 def test_variant_forward_states_and_every_gradient_match_the_naive_recurrence(variant_ops, name):
     module = variant_ops[name].module
     x = draw()
-    B, H = 2, 2
+    B, H = 1, 2
     h0 = torch.randn(B, H, K, K, generator=torch.Generator().manual_seed(1))
     h0 = h0 @ h0.transpose(-1, -2) * 0.05  # a covariance: symmetric positive semi-definite
     s0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(2)) * 0.1
@@ -133,7 +131,7 @@ def test_the_states_gates_enter_where_each_state_is_read(variant_ops):
     (`covariance_gate_only`), the final U does not depend on the gate (its gradient from dS alone is 0), and the
     final H does (its gradient from dH alone is not)."""
     module = variant_ops["covariance_gate_only"].module
-    x = draw(T=40)
+    x = draw(T=21)
     gk = x["g"].clone().requires_grad_()
     _, (h_fin, s_fin) = module.chunk(x["q"], x["k"], x["v"], None, x["beta"], alpha=x["alpha"], gk=gk,
                                      output_final_state=True, chunk_size=16)
@@ -147,7 +145,7 @@ def test_one_gate_given_twice_equals_the_shared_gate(variant_ops):
     """The spec with a gate of H's own, called with H's gate equal to U's, gives the shared-gate spec's output and
     states (the same kernels with each state's gate read apart) and, summed, its gate gradient."""
     own, shared = variant_ops["own_covariance_gate"].module, variant_ops["ridge_offset"].module
-    x = draw(T=37)
+    x = draw(T=21)
     g1, g2, g3 = (x["g"].clone().requires_grad_() for _ in range(3))
     o1, (h1, s1) = own.chunk(x["q"], x["k"], x["v"], g1, x["beta"], alpha=x["alpha"], gk=g2,
                              output_final_state=True, chunk_size=16, ridge_offset=0.3)
@@ -164,18 +162,18 @@ def test_one_gate_given_twice_equals_the_shared_gate(variant_ops):
 @pytest.mark.parametrize("name", ["own_covariance_gate", "covariance_gate_only", "constant_ridge"])
 def test_variant_decoding_continues_a_chunked_prefill(variant_ops, name):
     module = variant_ops[name].module
-    x = draw(T=45)
+    x = draw(T=40)
     gates = op_gates(name, x)
-    first = {n: (t[:, :37] if t is not None else None) for n, t in gates.items()}
+    first = {n: (t[:, :29] if t is not None else None) for n, t in gates.items()}
     common = dict(alpha=x["alpha"])
     full, (h_full, s_full) = module.chunk(x["q"], x["k"], x["v"], gates.pop("g"), x["beta"], output_final_state=True,
                                           chunk_size=16, **common, **gates)
-    _, state = module.chunk(x["q"][:, :37], x["k"][:, :37], x["v"][:, :37], first.pop("g"), x["beta"][:, :37],
-                            alpha=x["alpha"][:, :37], output_final_state=True, chunk_size=16, **first)
-    rest = {n: (t[:, 37:] if t is not None else None) for n, t in op_gates(name, x).items()}
-    o, state = module.recurrent(x["q"][:, 37:], x["k"][:, 37:], x["v"][:, 37:], rest.pop("g"), x["beta"][:, 37:],
-                                initial_state=state, alpha=x["alpha"][:, 37:], **rest)
-    assert rms_ratio(o, full[:, 37:]) < 1e-5
+    _, state = module.chunk(x["q"][:, :29], x["k"][:, :29], x["v"][:, :29], first.pop("g"), x["beta"][:, :29],
+                            alpha=x["alpha"][:, :29], output_final_state=True, chunk_size=16, **first)
+    rest = {n: (t[:, 29:] if t is not None else None) for n, t in op_gates(name, x).items()}
+    o, state = module.recurrent(x["q"][:, 29:], x["k"][:, 29:], x["v"][:, 29:], rest.pop("g"), x["beta"][:, 29:],
+                                initial_state=state, alpha=x["alpha"][:, 29:], **rest)
+    assert rms_ratio(o, full[:, 29:]) < 1e-5
     assert rms_ratio(state[0], h_full) < 1e-5 and rms_ratio(state[1], s_full) < 1e-5
     ref_gates = naive_gates(name, {n: t.double() for n, t in op_gates(name, x).items() if t is not None})
     ref, _ = naive_gka(*(x[n].double() for n in ("q", "k", "v")), ref_gates["g"], x["beta"].double(),
@@ -186,7 +184,7 @@ def test_variant_decoding_continues_a_chunked_prefill(variant_ops, name):
 
 def test_a_non_finite_covariance_gate_poisons_what_it_reaches(variant_ops):
     module = variant_ops["own_covariance_gate"].module
-    x = draw(T=40)
+    x = draw(B=2, T=40)
     gk = x["gk"].clone()
     gk[1, 20, 0] = float("nan")
     gk[0, 5, 1] = float("inf")
@@ -228,16 +226,13 @@ def test_variant_calls_check_their_gates_and_ridge(variant_ops):
     assert torch.equal(o, ref)
 
 
-def test_plans_state_each_variant(tmp_path):
+def test_plans_state_each_variant(variant_ops):
+    from ncd.backend import plan
+
     texts = {}
     for name in ("ungated_covariance", "own_covariance_gate", "constant_ridge"):
-        path = tmp_path / f"gka_{name}.ncd"
-        path.write_text(variant_text(name))
-        result = subprocess.run([sys.executable, "-m", "ncd.cli", "compile", str(path), "--emit", "plan"],
-                                capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
-        assert "kernel family: gated outer-product recurrence with a ridge solve" in result.stdout
-        texts[name] = result.stdout
+        texts[name] = "\n".join(plan(variant_ops[name].front).describe())
+        assert "kernel family: gated outer-product recurrence with a ridge solve" in texts[name]
     assert "log gates g of U, - (H ungated) of H" in texts["ungated_covariance"]
     assert "sum_s 1 kb_s kb_s^T" in texts["ungated_covariance"]
     assert "log gates g of U, gk of H" in texts["own_covariance_gate"]
@@ -251,7 +246,7 @@ def test_few_steps_follow_each_tokens_chebyshev_schedule(variant_ops, name):
     """With a ridge offset the contraction rate differs per token; after 3 steps (far from converged) the chunked
     and the decoding kernels still equal the float64 iteration, so each token's schedule is the spec's."""
     module = variant_ops[name].module
-    x = draw(T=40)
+    x = draw(T=21)
     _, _, ridge, offset = VARIANTS[name]
     ref, _ = naive_gka(*(x[n].double() for n in ("q", "k", "v", "g", "beta", "alpha")), ridge=ridge,
                        ridge_offset=offset, num_iter=3)
@@ -268,7 +263,7 @@ def test_public_op_and_layer_leave_the_covariance_ungated_when_asked(monkeypatch
     ungated, as the official layer's use_forgetting_gate_kk=False), and the layer's option reaches them."""
     from ncd import layers
 
-    x = draw(T=37)
+    x = draw(T=21)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     exact = {"dot_precision": "ieee"}
     o, _ = ncd.ops.chunk_gka(*args, alpha=x["alpha"], gate_covariance=False, chunk_size=16, config=exact)
@@ -293,3 +288,44 @@ def test_public_op_and_layer_leave_the_covariance_ungated_when_asked(monkeypatch
     assert seen == [False] and torch.isfinite(h.grad).all() and torch.isfinite(layer.A_log.grad).all()
     layer.use_forgetting_gate_kk = True
     assert rms_ratio(layer(h), y) > 1e-3 and seen == [False, True]  # the covariance's gate changes the output
+
+
+GQA = BASE.replace("axis batch, time, head", "axis batch, time, kvhead, qgroup\naxis head = kvhead * qgroup").replace(
+    "in  k[batch time head kdim]", "in  k[batch time kvhead kdim]").replace(
+    "in  v[batch time head vdim]", "in  v[batch time kvhead vdim]")
+
+
+def test_gqa_keys_and_values_serve_their_group_of_query_heads(tmp_path):
+    """`axis head = kvhead * qgroup` with k, v on kvhead (the official layer's num_k_heads, num_v_heads): query head
+    h reads key/value head h // qgroup. Output, final states and decoding equal the plain spec's on repeated keys
+    and values, dk and dv are the group sums of its gradients, and a wrong head count is refused by name."""
+    assert GQA.count("kvhead") == 4
+    spec = tmp_path / "gka_gqa.ncd"
+    spec.write_text(GQA)
+    gqa = ncd.load(spec, sizes={"kdim": K, "vdim": V}).with_config(dot_precision="ieee").module
+    plain = ncd.load(ROOT / "specs" / "gka.ncd", sizes={"kdim": K, "vdim": V}).with_config(
+        dot_precision="ieee").module
+    x = draw(T=21, H=4)
+    k, v = (x[n][:, :, :2].clone().requires_grad_() for n in ("k", "v"))  # two key/value heads, groups of two
+    k_rep, v_rep = (t.detach().repeat_interleave(2, 2).requires_grad_() for t in (k, v))
+    rest = (x["g"], x["beta"])
+    o, (h, s) = gqa.chunk(x["q"], k, v, *rest, alpha=x["alpha"], output_final_state=True, chunk_size=16)
+    ref, (h_ref, s_ref) = plain.chunk(x["q"], k_rep, v_rep, *rest, alpha=x["alpha"], output_final_state=True,
+                                      chunk_size=16)
+    assert torch.equal(o, ref) and torch.equal(h, h_ref) and torch.equal(s, s_ref)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(5))
+    dk, dv = torch.autograd.grad((o * do).sum(), (k, v))
+    dk_ref, dv_ref = torch.autograd.grad((ref * do).sum(), (k_rep, v_rep))
+    torch.testing.assert_close(dk, dk_ref.unflatten(2, (2, 2)).sum(3))
+    torch.testing.assert_close(dv, dv_ref.unflatten(2, (2, 2)).sum(3))
+    with torch.no_grad():
+        step, _ = gqa.recurrent(x["q"], k, v, *rest, alpha=x["alpha"])
+    assert rms_ratio(step, ref) < 1e-5
+    three = {n: t[:, :, :3] for n, t in x.items()}  # 3 query heads over 2 key heads
+    with pytest.raises(CallError, match="kvhead"):
+        gqa.chunk(three["q"], x["k"], x["v"], three["g"], three["beta"], alpha=three["alpha"])
+    head_first = GQA.replace("[batch time head", "[batch head time").replace("[batch time kvhead", "[batch kvhead time")
+    path = tmp_path / "gka_gqa_head_first.ncd"
+    path.write_text(head_first)
+    with pytest.warns(FallbackWarning, match=r"gka_gqa_head_first.ncd:\d+:\d+: .*in fla's layout only"):
+        ncd.load(path)

@@ -168,7 +168,7 @@ def group_sizes(program: ir.Program, head: str, heads: int) -> dict[str, int]:
     return {factors[0]: kv, factors[1]: heads // kv, head: heads}
 
 
-def _kv_token_axes(program: ir.Program, token_axes: tuple[str, ...], head: str,
+def kv_token_axes(program: ir.Program, token_axes: tuple[str, ...], head: str,
                    declared: tuple[str, ...]) -> tuple[str, ...]:
     """The keys' and values' token axes: the queries' (one key/value head per query head), or, for GQA, theirs
     with the head axis replaced by its outer factor where the spec splits it, `axis head = kvhead * group`."""
@@ -251,7 +251,7 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
     v_name = rec.input_of(val, "the values")
     batch, time, head = (token_axes[0], token_axes[2], token_axes[1]) if head_first else token_axes
     vdim = program.tensor(v_name).axes[-1]
-    kv_axes = _kv_token_axes(program, token_axes, head, program.tensor(k_name).axes[:3])
+    kv_axes = kv_token_axes(program, token_axes, head, program.tensor(k_name).axes[:3])
     if head_first and kv_axes != token_axes:
         raise _fail(program.tensor(k_name).span, "keys and values shared by groups of query heads (GQA) are "
                     "compiled in fla's layout only: declare the inputs [batch time head dim], k and v [batch time "

@@ -27,7 +27,7 @@ from ncd import ir
 from ncd.errors import NcdError
 from ncd.families.recurrence.config import RecurrenceConfig
 from ncd.families.recurrence.delta import DeltaRulePlan
-from ncd.families.recurrence.linear import LinearScanPlan, recognize_linear
+from ncd.families.recurrence.linear import LinearScanPlan, group_sizes, kv_token_axes, recognize_linear
 from ncd.family import Decline
 from ncd.pipeline import FrontEnd
 from ncd.source import origin_name
@@ -167,7 +167,7 @@ class RecurrencePlan:
 
     def validation_sizes(self, program: ir.Program) -> dict[str, int]:
         r = self.roles
-        sizes = {r.batch: 2, r.time: VALIDATION_TIME, r.head: 2}
+        sizes = {r.batch: 2, r.time: VALIDATION_TIME, r.head: 2, **group_sizes(program, r.head, 2)}
         for axis in (r.kdim, r.kcol, r.vdim):
             sizes[axis] = program.axis(axis).fixed or 24
         return sizes
@@ -327,7 +327,12 @@ class _Recognizer:
         if vdim is None:
             raise _fail(self.lets[u_name], f"expected {u_name}[{batch} {time} {head} vdim {kdim}]: the values' "
                         "axis is missing")
-        for name, axes in ((k_name, (*token, kdim)), (v_name, (*token, vdim)), (g_u, token), (g_h, token),
+        kv = kv_token_axes(self.program, token, head, self.program.tensor(k_name).axes[:3])  # GQA: kvhead
+        if kv != token and head_first:
+            raise _fail(self.program.tensor(k_name).span, "keys and values shared by groups of query heads (GQA) "
+                        "are compiled in fla's layout only: declare the inputs [batch time head dim], k and v "
+                        "[batch time kvhead dim]")
+        for name, axes in ((k_name, (*kv, kdim)), (v_name, (*kv, vdim)), (g_u, token), (g_h, token),
                            (beta, token), (alpha, token)):
             if name is not None and self.program.tensor(name).axes != axes:
                 raise _fail(self.program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (the layout of "
@@ -347,8 +352,11 @@ class _Recognizer:
         if self.program.params:
             param = self.program.params[0]
             raise _fail(param.span, f"the recurrence family takes no parameters; {param.name} would be ignored")
-        self.check_addressing(out, token, {h_name: {(*token, kdim), (*token, kcol)},
-                                           u_name: {(*token, vdim), (*token, kdim)}})
+        key_row = kv if kb1.tensor == k_name else token  # the keys' own rows, or their per-head scaling's
+        value_row = kv if vb.tensor == v_name else token
+        self.check_addressing(out, token, {h_name: {(*key_row, kdim), (*key_row, kcol)},
+                                           u_name: {(*value_row, vdim), (*key_row, kdim)}},
+                              {k_name: kv, v_name: kv})
         self.check_state_axes(h_name, h_scan, token, {kdim, kcol})
         self.check_state_axes(u_name, u_scan, token, {vdim, kdim})
         roles = RecurrenceRoles(q=q_name, k=k_name, v=v_name, g=g_u, beta=beta, alpha=alpha, scale=scale,

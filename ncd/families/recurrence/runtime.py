@@ -257,18 +257,17 @@ class GKAOp(ScanOp):
               alpha: Any = None, gk: Any = None,
               ridge: float | None = None, ridge_offset: float | None = None, num_iter: int | None = None,
               chunk_size: int | None = None) -> tuple:
-        """The chunked op with fla's conventions, in the positional order of fla's chunk_gated_delta_rule (q, k,
-        v, g, beta, scale, initial_state, output_final_state, cu_seqlens); alpha, gk and the rest by keyword only.
-        q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] (or all head-first, [B, H, T, ...], where the spec declares
-        them so; no cu_seqlens then) natural-log gates (<= 0; -inf is a full reset) of both states, or of U alone
-        where the spec gives the covariance H a gate of its own, gk [B, T, H] (None where it has none; g None
-        where U is ungated), beta and
-        alpha [B, T, H] or None (no key/value scaling; alpha = 1; either must be None where the spec has no such
-        input). scale: a number or a one-element tensor (its gradient is computed when it requires one).
-        initial_state: (H [N, H, K, K], S [N, H, K, V]) fp32 or None. Returns (o [B, T, H, V], final_state or
-        None). A non-finite input makes NaN exactly the outputs it reaches (guard_non_finite); double backward
-        raises. ridge, ridge_offset (lambda = ridge ||H|| + ridge_offset), num_iter, chunk_size: None takes the
-        op's own."""
+        """The chunked op with fla's conventions, in the positional order of fla's chunk_gated_delta_rule (q, k, v, g,
+        beta, scale, initial_state, output_final_state, cu_seqlens); alpha, gk and the rest by keyword only. q, k [B, T,
+        H, K], v [B, T, H, V] (k and v [B, T, H / G, ...] where the spec splits `head = kvhead * group`: GQA), g [B, T,
+        H] (or all head-first, [B, H, T, ...], where the spec declares them so; no cu_seqlens then) natural-log gates
+        (<= 0; -inf is a full reset) of both states, or of U alone where the spec gives the covariance H a gate of its
+        own, gk [B, T, H] (None where it has none; g None where U is ungated), beta and alpha [B, T, H] or None (no
+        key/value scaling; alpha = 1; either must be None where the spec has no such input). scale: a number or a
+        one-element tensor (its gradient is computed when it requires one). initial_state: (H [N, H, K, K], S [N, H, K,
+        V]) fp32 or None. Returns (o [B, T, H, V], final_state or None). A non-finite input makes NaN exactly the
+        outputs it reaches (guard_non_finite); double backward raises. ridge, ridge_offset (lambda = ridge ||H|| +
+        ridge_offset), num_iter, chunk_size: None takes the op's own."""
         ridge = self.ridge if ridge is None else ridge
         ridge_offset = self.ridge_offset if ridge_offset is None else ridge_offset
         num_iter = self.num_iter if num_iter is None else num_iter
@@ -284,6 +283,7 @@ class GKAOp(ScanOp):
             initial_state = None if initial_state is None else tuple(states)
         packed = cu_seqlens is not None
         bounds = self._chunk_table(1, q.shape[1], cu_seqlens, chunk_size, q.device)[5] if packed else None
+        k, v = _per_query_head(q, k, v)
         given = (q, k, v, g, gk, beta, alpha)
         g, gk = self._gates(g, gk, q)
         q, k, v, g, gk, beta, alpha, poisoned, seq_poisoned = guard_non_finite(q, k, v, g, gk, beta, alpha, bounds,
@@ -338,11 +338,21 @@ class GKAOp(ScanOp):
             initial_state = None if initial_state is None else tuple(states)
         h_init, s_init = initial_state if initial_state is not None else (None, None)
         g, gk = self._gates(g, gk, q)
+        k, v = _per_query_head(q, k, v)
         o, h_fin, s_fin = self._launch_step(q, k, v, g, gk, beta, alpha, h_init, s_init, scale, ridge, ridge_offset,
                                             num_iter)
         if shape is not None:
             o, (h_fin, s_fin) = as_head_first(o, (h_fin, s_fin), shape)
         return o, ((h_fin, s_fin) if output_final_state else None)
+
+
+def _per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA keys and values [B, T, H / G, ...] repeated for each of their G query heads (the call check has bound
+    `head = kvhead * group`): each query head has states of its own, and autograd sums dk, dv over a group."""
+    group = q.shape[2] // k.shape[2]
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
 
 
 def _check_ridge(name: str, ridge: float, ridge_offset: float) -> None:
