@@ -3,18 +3,21 @@ KalmaNet, papers/gated-kalmanet.txt), compiled to chunked Triton kernels. A scan
 directly (gated linear attention) is recognised by linear.py instead.
 
 Recognition (every step a located `unsupported` error when a spec has scans but departs from it):
-    H[.. time .. a b] = scan(exp(g) * prev + kb * kb[.. b], over time)        a gated key covariance
-    U[.. time .. c a] = scan(exp(g) * prev + vb * kb, over time)              a gated value-key memory
+    H[.. time .. a b] = scan(exp(gk) * prev + kb * kb[.. b], over time)       a key covariance (gk: g, another
+                                                                             input, or no gate: `prev + ...`)
+    U[.. time .. c a] = scan(exp(g) * prev + vb * kb, over time)              a value-key memory (or ungated)
     kb = k * fk(beta), vb = v * fv(beta)                                     per-token scalings (sympy)
-    normH = sqrt(sum(H^2, over a b)),  lam = ridge * normH
+    normH = sqrt(sum(H^2, over a b)),  lam = ridge * normH + offset          constants ridge, offset >= 0 (sympy)
     x = chebyshev_solve(H + lam * where(a == b, 1, 0), q, iterations = r, mu = lam, L = normH + lam)
     qa = q + alpha * (x - q)    (or qa = x)
     out o = scale * (U . qa over a)
+k and v may sit on `kvhead` where the spec splits `head = kvhead * group` (GQA, fla's layout).
 
 Derivations (sympy, shown by `--emit plan`): the chunked form of each scan (chunk-start states, intra-chunk decay
-masks exp(G_t - G_s) from cumulative gates), the Gram-matrix form of ||H_t||_F, the Chebyshev contraction rate
-rho = (L - mu) / (L + mu) as a function of the ridge alone (so one omega schedule serves every token), the
-scalings' derivatives for dbeta, and the backward by implicit differentiation with the ridge term.
+masks exp(G_t - G_s) from each state's cumulative gates), the Gram-matrix form of ||H_t||_F, the Chebyshev
+contraction rate rho = (L - mu) / (L + mu) (a function of the ridge alone without an offset, so one omega
+schedule serves every token; per token with one), the scalings' derivatives for dbeta, and the backward by
+implicit differentiation with the ridge term.
 """
 
 from __future__ import annotations
