@@ -1,7 +1,8 @@
 """GPU benchmark of the recurrence family's linear recurrences (issue 33), one run per op: correctness first, then
 timings against fla (fla-core wheel). --op simple_gla (specs/simple_gla.ncd; fla's chunk_simple_gla,
-fused_recurrent_simple_gla), gated_delta_rule (specs/gated_delta_rule.ncd; chunk_gated_delta_rule,
-fused_recurrent_gated_delta_rule) or delta_rule (specs/delta_rule.ncd; chunk_delta_rule, fused_recurrent_delta_rule).
+fused_recurrent_simple_gla), gla (specs/gla.ncd, a gate per key; chunk_gla, fused_recurrent_gla),
+gated_delta_rule (specs/gated_delta_rule.ncd; chunk_gated_delta_rule, fused_recurrent_gated_delta_rule) or
+delta_rule (specs/delta_rule.ncd; chunk_delta_rule, fused_recurrent_delta_rule).
 
 Correctness: ncd's output, final state and every gradient (q, k, v, g, beta, initial state) against the float64
 per-token recurrence at B 2, T 300 (chunk 64: T not a multiple of it), fp32 and bf16 inputs; fla's beside it.
@@ -34,6 +35,8 @@ FLA_BACKWARD = False  # set by main: whether fla's gated backward runs here (it 
 OPS = {
     "simple_gla": (("g",), lambda q, k, v, g, s0: naive_simple_gla(q, k, v, g, initial_state=s0),
                    "fla.ops.simple_gla", ("chunk_simple_gla", "fused_recurrent_simple_gla")),
+    "gla": (("gk",), lambda q, k, v, g, s0: naive_simple_gla(q, k, v, g, initial_state=s0),
+            "fla.ops.gla", ("chunk_gla", "fused_recurrent_gla")),
     "gated_delta_rule": (("g", "beta"), lambda q, k, v, g, b, s0: naive_delta_rule(q, k, v, b, g, initial_state=s0),
                          "fla.ops.gated_delta_rule", ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")),
     "delta_rule": (("beta",), lambda q, k, v, b, s0: naive_delta_rule(q, k, v, b, initial_state=s0),
@@ -57,11 +60,12 @@ def draw(b, t, h, dtype, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, t, h, D, device="cuda", generator=gen).to(dtype)
     k = torch.randn(b, t, h, D, device="cuda", generator=gen)
-    k = (F.normalize(k, dim=-1) if OP != "simple_gla" else k * D ** -0.5).to(dtype)
+    k = (F.normalize(k, dim=-1) if "delta" in OP else k * D ** -0.5).to(dtype)
     v = torch.randn(b, t, h, D, device="cuda", generator=gen).to(dtype)
     g = F.logsigmoid(torch.randn(b, t, h, device="cuda", generator=gen) + 3.0)
     beta = torch.sigmoid(torch.randn(b, t, h, device="cuda", generator=gen))
-    extra = {"g": g, "beta": beta}
+    gk = F.logsigmoid(torch.randn(b, t, h, D, device="cuda", generator=gen)) / 16  # fla's GLA layer's gates
+    extra = {"g": g, "beta": beta, "gk": gk}
     return (q, k, v, *(extra[name] for name in OPS[OP][0]))
 
 

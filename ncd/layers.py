@@ -11,6 +11,10 @@ by silu(g_proj(x)) and the output projection.
 convolutions), a per-head log gate logsigmoid(gk_proj(x)) / gate_logit_normalizer, the core
 `ncd.ops.chunk_simple_gla`, an RMSNorm gated by silu(g_proj(x)) and the output projection.
 
+`GatedLinearAttention`: fla's GLA layer (fla.layers.gla), the same with a log gate per key dimension from a
+low-rank projection, logsigmoid(gk_proj(x)) / gate_logit_normalizer (floored at clamp_min when given), and the
+core `ncd.ops.chunk_gla`.
+
 `GatedDeltaNet` and `DeltaNet`: fla's layers (fla.layers.gated_deltanet, fla.layers.delta_net): q, k, v
 projections with short convolutions and SiLU, l2-normalised q and k, beta = sigmoid(b_proj(x)) (times 2 with
 `allow_neg_eigval`), the Mamba2-style gate of GatedKalmaNet (GatedDeltaNet only), the core
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import CallError
-from .ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_gka, chunk_simple_gla
+from .ops import chunk_delta_rule, chunk_gated_delta_rule, chunk_gka, chunk_gla, chunk_simple_gla
 
 
 class ShortConvolution(nn.Module):
@@ -132,7 +136,7 @@ class SimpleGatedLinearAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, value_dim, bias=False)
         self.convs = nn.ModuleList([ShortConvolution(d, conv_size) for d in (key_dim, key_dim, value_dim)]) \
             if use_short_conv else None
-        self.gk_proj = nn.Linear(hidden_size, num_heads, bias=True)
+        self.gk_proj: nn.Module = nn.Linear(hidden_size, num_heads, bias=True)
         self.g_proj = nn.Linear(hidden_size, value_dim, bias=False) if use_output_gate else None
         self.g_norm = GatedRMSNorm(self.head_v_dim, norm_eps)
         self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
@@ -140,19 +144,46 @@ class SimpleGatedLinearAttention(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, initial_state=None,
                 output_final_state: bool = False):
         """x [B, T, hidden] -> [B, T, hidden] (and the final state [N, H, K, V] when asked)."""
-        _check_input("SimpleGatedLinearAttention", x, self.hidden_size)
+        _check_input(type(self).__name__, x, self.hidden_size)
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.convs is not None:
             q, k, v = (conv(t, cu_seqlens) for conv, t in zip(self.convs, (q, k, v), strict=True))
         q, k = (t.view(B, T, self.num_heads, self.head_k_dim) for t in (q, k))
         v = v.view(B, T, self.num_heads, self.head_v_dim)
-        g = F.logsigmoid(self.gk_proj(x).float()) / self.gate_logit_normalizer
-        o, state = chunk_simple_gla(q, k, v, g, self.head_k_dim ** -0.5, initial_state, output_final_state,
-                                    cu_seqlens, chunk_size=self.chunk_size)
+        o, state = self._core(q, k, v, self._gate(x), self.head_k_dim ** -0.5, initial_state, output_final_state,
+                              cu_seqlens, chunk_size=self.chunk_size)
         gate = self.g_proj(x).view(B, T, self.num_heads, self.head_v_dim) if self.g_proj is not None else None
         out = self.o_proj(self.g_norm(o, gate).reshape(B, T, -1))
         return (out, state) if output_final_state else out
+
+
+    _core = staticmethod(chunk_simple_gla)
+
+    def _gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Natural-log gates [B, T, H] (<= 0)."""
+        return F.logsigmoid(self.gk_proj(x).float()) / self.gate_logit_normalizer
+
+
+class GatedLinearAttention(SimpleGatedLinearAttention):
+    def __init__(self, hidden_size: int = 1024, num_heads: int = 4, head_dim: int | None = None,
+                 expand_v: float = 1.0, use_short_conv: bool = False, conv_size: int = 4,
+                 use_output_gate: bool = True, gate_logit_normalizer: float = 16.0, gate_low_rank_dim: int = 16,
+                 clamp_min: float | None = None, chunk_size: int = 64, norm_eps: float = 1e-5) -> None:
+        super().__init__(hidden_size, num_heads, head_dim, expand_v, use_short_conv, conv_size, use_output_gate,
+                         gate_logit_normalizer, chunk_size, norm_eps)
+        self.clamp_min = clamp_min
+        self.gk_proj = nn.Sequential(nn.Linear(hidden_size, gate_low_rank_dim, bias=False),
+                                     nn.Linear(gate_low_rank_dim, num_heads * self.head_k_dim, bias=True))
+
+    _core = staticmethod(chunk_gla)
+
+    def _gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Natural-log gates [B, T, H, K] (<= 0), one per key dimension."""
+        g = F.logsigmoid(self.gk_proj(x).float()) / self.gate_logit_normalizer
+        if self.clamp_min is not None:
+            g = g.clamp_min(self.clamp_min)
+        return g.view(*x.shape[:2], self.num_heads, self.head_k_dim)
 
 
 class GatedDeltaNet(nn.Module):

@@ -16,8 +16,8 @@ from .compiler import Compiled, ConfigError, ConfigOverrides, advance, compile_s
 from .family import KernelPlan
 
 __all__ = ["CacheError", "ConfigError", "Op", "chunk_delta_rule", "chunk_gated_delta_rule", "chunk_gka",
-           "chunk_simple_gla", "import_generated", "load", "recurrent_delta_rule", "recurrent_gated_delta_rule",
-           "recurrent_gka", "recurrent_simple_gla", "shipped_spec"]
+           "chunk_gla", "chunk_simple_gla", "import_generated", "load", "recurrent_delta_rule",
+           "recurrent_gated_delta_rule", "recurrent_gka", "recurrent_gla", "recurrent_simple_gla", "shipped_spec"]
 
 
 class Op:
@@ -144,6 +144,27 @@ def recurrent_simple_gla(q: Any, k: Any, v: Any, g: Any, scale: Any = None, init
     K, V] fp32 (or None), typically one token after a prefill by `chunk_simple_gla(..., output_final_state=
     True)`. Returns (o, the state after the last token or None). Inference only."""
     return _shipped_op("simple_gla", "recurrent_simple_gla", q, v, config).module.recurrent(
+        q, k, v, g, scale, initial_state, output_final_state)
+
+
+def chunk_gla(q: Any, k: Any, v: Any, g: Any, scale: Any = None, initial_state: Any = None,
+              output_final_state: bool = False, cu_seqlens: Any = None, *, chunk_size: int = 64,
+              config: Mapping[str, object] | None = None) -> Any:
+    """Gated linear attention with a gate per key dimension (GLA; fla's chunk_gla), compiled from
+    `specs/gla.ncd`, in fla's positional order: S_t = diag(exp(g_t)) S_(t-1) + k_t v_t^T, o_t = scale S_t^T q_t.
+    q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K] natural-log gates (<= 0; -inf resets that key row), scale
+    a number or a one-element tensor (default K^-1/2), initial_state S [N, H, K, V] fp32; returns (o [B, T, H,
+    V], final state or None). Any head sizes up to 256 (compiled once per (K, V, config)); `config` overrides
+    LinearScanConfig fields."""
+    return _shipped_op("gla", "chunk_gla", q, v, config).module.chunk(
+        q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, chunk_size=chunk_size)
+
+
+def recurrent_gla(q: Any, k: Any, v: Any, g: Any, scale: Any = None, initial_state: Any = None,
+                  output_final_state: bool = True, *, config: Mapping[str, object] | None = None) -> Any:
+    """Decoding for `chunk_gla` (fla's fused_recurrent_gla convention): token by token from a state S [B, H, K,
+    V] fp32 (or None). Returns (o, the state after the last token or None). Inference only."""
+    return _shipped_op("gla", "recurrent_gla", q, v, config).module.recurrent(
         q, k, v, g, scale, initial_state, output_final_state)
 
 

@@ -202,7 +202,8 @@ def test_default_fp16_products_have_ten_bit_accuracy(gka_op):
     o, grads = _forward_and_grads(with_alpha(fp16.chunk, chunk_size=16), inputs)
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
     exact = gka_op.with_config(dot_precision="ieee").module
-    o_exact, _ = _forward_and_grads(with_alpha(exact.chunk, chunk_size=16), inputs)
+    with torch.no_grad():
+        o_exact, _ = with_alpha(exact.chunk, chunk_size=16)(*inputs, initial_state=None)
     errors = {name: rms_ratio(got, want) for name, got, want in
               zip(["o", "q", "k", "v", "g", "beta", "alpha"], (o, *grads), (ref, *ref_grads), strict=True)}
     print("GKA fp16 products vs float64:", ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
@@ -611,9 +612,9 @@ def test_decoding_token_by_token_continues_a_chunked_prefill(gka_module, beta, a
                                 alpha=a[:, :split] if a is not None else None, output_final_state=True,
                                 chunk_size=16)
     steps = []
-    for t in range(split, 45):
-        one = [x[:, t:t + 1] if x is not None else None for x in inputs]
-        o, state = gka_module.recurrent(*one[:5], initial_state=state, alpha=one[5])
+    for lo, hi in ((split, split + 1), (split + 1, split + 2), (split + 2, 45)):  # one token, one, the rest
+        part = [x[:, lo:hi] if x is not None else None for x in inputs]
+        o, state = gka_module.recurrent(*part[:5], initial_state=state, alpha=part[5])
         steps.append(o)
     assert rms_ratio(torch.cat(steps, 1), full[:, split:]) < 1e-5
     assert rms_ratio(state[0], h_full) < 1e-5 and rms_ratio(state[1], s_full) < 1e-5
@@ -622,8 +623,9 @@ def test_decoding_token_by_token_continues_a_chunked_prefill(gka_module, beta, a
     assert rms_ratio(h, h_full) < 1e-5 and rms_ratio(s, s_full) < 1e-5
     ref, _ = naive_gka(*f64(inputs))
     assert rms_ratio(whole, ref) < 1e-5
-    top, _ = ncd.ops.recurrent_gka(q, k, v, g, b, alpha=a, config=EXACT)  # the public function, any head size
-    assert rms_ratio(top, full) < 1e-5
+    if beta:  # the public function, any head size (a compile of its own: once)
+        top, _ = ncd.ops.recurrent_gka(q, k, v, g, b, alpha=a, config=EXACT)
+        assert rms_ratio(top, full) < 1e-5
 
 
 def test_decoding_refuses_inputs_that_require_a_gradient_and_bad_states(gka_module):

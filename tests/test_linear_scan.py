@@ -184,7 +184,7 @@ def refusal(tmp_path, text, name):
 
 
 @pytest.mark.parametrize("old, new, message", [
-    ("in  g[batch time head] : f32", "in  g[batch time head kdim] : f32", "GLA's per-key gate"),
+    ("in  g[batch time head] : f32", "in  g[batch time head vdim] : f32", "declare g as [batch time head] (a gate"),
     ("[batch time head", "[time batch head", "the scanned axis 'time' second or third"),
     ("in  scale : f32 = 1 / sqrt(size(kdim))", "in  scale : f32 = 1 / sqrt(size(kdim))\nin  extra[head] : f32",
      "extra has no role"),

@@ -79,14 +79,16 @@ def precision(config: Any, dtype: torch.dtype) -> str:
 @triton.jit
 def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, flags_ptr, seq_first_ptr, chunk_start_ptr,
           chunk_end_ptr, weight, H, G, K, V, REVERSE: tl.constexpr, HAS_INIT: tl.constexpr,
-          STORE_FINAL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+          STORE_FINAL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+          KEY_GATES: tl.constexpr = False):
     """One [BK, BV] tile of the chunk-boundary states of one sequence and head, sequential over its chunks: each
     chunk's incoming state is stored, then `state = exp(Gc) state + (left o w)^T right`. Forward: left k, right v,
     w = exp(Gc - G), chunks in order, the states the chunks start from. REVERSE (backward): left q, right do,
     w = weight exp(G), last chunk first, starting from dS_N: the gradients of the states the chunks end in; the
     last carry is the initial state's gradient. left and right have H / G heads (G query heads share a key/value
     head: GQA; the reverse scan's q and do have G = 1). The forward also flags each chunk's non-finite values, per tile
-    (flags [chunks, H, tiles]), so that the output kernel takes its exact path only where they are."""
+    (flags [chunks, H, tiles]), so that the output kernel takes its exact path only where they are. KEY_GATES (GLA):
+    g_ptr holds the cumulative gates per key [tokens, H, K] (kernel_gla.py), each key row decays by its own."""
     i_tile, nh = tl.program_id(0), tl.program_id(1)
     n, h = nh // H, nh % H
     n_v = tl.cdiv(V, BV)
@@ -104,14 +106,21 @@ def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, flags_ptr
                  mask=tile_mask)
         rows = bos + (c - first) * BT + tl.arange(0, BT)
         valid = rows < eos
-        gc, gtot = _gates(g_ptr + h, rows, valid, H)
         lt = _load_cols(left_ptr + (h // G) * K, rows, valid, (H // G) * K, rk, K)
         rgt = _load_rows_raw(right_ptr + (h // G) * V, rows, valid, (H // G) * V, 0, rv, V)
         if not REVERSE:
             bad = tl.max(tl.max(((rgt - rgt) != 0).to(tl.int32), 1), 0)
             tl.store(flags_ptr + (c * H + h) * (tl.cdiv(K, BK) * n_v) + i_tile, bad)
-        w = weight * tl.exp(gc) if REVERSE else tl.exp(gtot - gc)
-        state = _dot(_operand(lt.to(tl.float32) * w[None, :], lt, PREC), rgt, PREC, state * tl.exp(gtot))
+        if KEY_GATES:  # [BK, BT] cumulative gates; the chunk's total is its last token's
+            gk = _load_cols(g_ptr + h * K, rows, valid, H * K, rk, K)
+            end = tl.minimum(bos + (c - first + 1) * BT, eos) - 1
+            gtot = tl.load(g_ptr + end.to(tl.int64) * H * K + h * K + rk, mask=rk < K, other=0.0)
+            w = weight * tl.exp(gk) if REVERSE else tl.exp(gtot[:, None] - gk)
+            state = _dot(_operand(lt.to(tl.float32) * w, lt, PREC), rgt, PREC, state * tl.exp(gtot)[:, None])
+        else:
+            gc, gsum = _gates(g_ptr + h, rows, valid, H)
+            w = weight * tl.exp(gc) if REVERSE else tl.exp(gsum - gc)
+            state = _dot(_operand(lt.to(tl.float32) * w[None, :], lt, PREC), rgt, PREC, state * tl.exp(gsum))
     if STORE_FINAL:
         tl.store(final_ptr + nh.to(tl.int64) * K * V + tile, state, mask=tile_mask)
 
@@ -141,18 +150,19 @@ def _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT: tl.constexpr):
     return rows, rows < tl.load(chunk_end_ptr + c)
 
 
-@autotune(name="linear_scan", configs=_configs(_OUTPUT_CONFIGS), key=_KEY)
+@autotune(name="linear_scan", configs=_configs(_OUTPUT_CONFIGS), key=[*_KEY, "KEY_GATES"])
 @triton.jit
-def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, flags_ptr, o_ptr, chunk_start_ptr, chunk_end_ptr, scale, H, G,
-            K, V, WORK, N_FLAGS, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-            FLAGS: tl.constexpr):
+def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, flags_ptr, o_ptr, scores_ptr, chunk_start_ptr, chunk_end_ptr,
+            scale, H, G, K, V, WORK, N_FLAGS, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+            PREC: tl.constexpr, FLAGS: tl.constexpr, KEY_GATES: tl.constexpr = False):
     """o for one chunk, head and [BV] block of values: scale (exp(G) o (q S_c) + ((q k^T) o D) v), the keys in
     [BK] blocks, as fla's kernel does. Non-finite values take a separate path, chosen by the scan's flags: checked
     here, on the loaded tile, they cost 10% (H100, T 16k, H 16: 771 us against 697 unchecked, whole key rows;
-    640 in blocks with the flags, on another H100 the same day; bench/log/2026-11-26-issue33.md)."""
+    640 in blocks with the flags, on another H100 the same day; bench/log/2026-11-26-issue33.md). KEY_GATES (GLA):
+    g_ptr holds the cumulative gates per key, and the chunk's masked scores come from kernel_gla._intra_scores
+    (scores_ptr [tokens, H, BT] fp32)."""
     i_v, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
-    gc, _ = _gates(g_ptr + h, rows, valid, H)
     cv = i_v * BV + tl.arange(0, BV)
     part = (c * H + h).to(tl.int64) * K * V
     o = tl.zeros((BT, BV), tl.float32)
@@ -160,14 +170,23 @@ def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, flags_ptr, o_ptr, chunk_star
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
         q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
-        kt = _load_cols(k_ptr + (h // G) * K, rows, valid, (H // G) * K, ck, K)
         s0 = tl.load(states_ptr + part + ck[:, None] * V + cv[None, :], mask=(ck[:, None] < K) & (cv[None, :] < V),
                      other=0.0)
-        o = _dot(q, s0.to(q.dtype), PREC, o)
-        scores = _dot(q, kt, PREC, scores)
-    o = o * tl.exp(gc)[:, None]
+        if KEY_GATES:
+            gq = _load_rows_raw(g_ptr + h * K, rows, valid, H * K, 0, ck, K)
+            o = _dot(_operand(q.to(tl.float32) * tl.exp(gq), q, PREC), s0.to(q.dtype), PREC, o)
+        else:
+            kt = _load_cols(k_ptr + (h // G) * K, rows, valid, (H // G) * K, ck, K)
+            o = _dot(q, s0.to(q.dtype), PREC, o)
+            scores = _dot(q, kt, PREC, scores)
     v = _load_rows_raw(v_ptr + (h // G) * V, rows, valid, (H // G) * V, 0, cv, V)
-    scores = _causal(scores * _decay_mask(gc, BT), BT).to(v.dtype)
+    if KEY_GATES:
+        scores = tl.load(scores_ptr + rows[:, None] * (H * BT) + h * BT + tl.arange(0, BT)[None, :],
+                         mask=valid[:, None], other=0.0).to(v.dtype)
+    else:
+        gc, _ = _gates(g_ptr + h, rows, valid, H)
+        o = o * tl.exp(gc)[:, None]
+        scores = _causal(scores * _decay_mask(gc, BT), BT).to(v.dtype)
     flagged = tl.load(flags_ptr + (c * H + h) * N_FLAGS + tl.arange(0, FLAGS), mask=tl.arange(0, FLAGS) < N_FLAGS,
                       other=0)
     if tl.max(flagged, 0) > 0:
@@ -240,8 +259,9 @@ def _operand(x, like, PREC: tl.constexpr):
 
 @triton.jit
 def _step(q_ptr, k_ptr, v_ptr, g_ptr, init_ptr, o_ptr, final_ptr, scale, T, H, G, K, V, HAS_INIT: tl.constexpr,
-          BK: tl.constexpr, BV: tl.constexpr):
-    """Decoding: one [K, BV] state tile of one (sequence, head) in registers across the call's tokens."""
+          BK: tl.constexpr, BV: tl.constexpr, KEY_GATES: tl.constexpr = False):
+    """Decoding: one [K, BV] state tile of one (sequence, head) in registers across the call's tokens. KEY_GATES
+    (GLA): g [B, T, H, K], a decay per key row."""
     i_v, bh = tl.program_id(0), tl.program_id(1)
     b, head = bh // H, bh % H
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
@@ -259,7 +279,10 @@ def _step(q_ptr, k_ptr, v_ptr, g_ptr, init_ptr, o_ptr, final_ptr, scale, T, H, G
         kv_tok = (b.to(tl.int64) * T + t) * (H // G) + head // G
         k = tl.load(k_ptr + kv_tok * K + ck, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + kv_tok * V + cv, mask=v_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + tok + one).to(tl.float32)
+        if KEY_GATES:
+            g = tl.load(g_ptr + tok * K + ck, mask=k_ok, other=0.0).to(tl.float32)
+        else:
+            g = tl.load(g_ptr + tok + one).to(tl.float32)
         decay = tl.exp(tl.where(g < G_FLOOR, G_FLOOR, g))
         state = decay[:, None] * state + k[:, None] * v[None, :]
         o = scale * tl.sum(state * q[:, None], 0)
@@ -289,7 +312,7 @@ def _head_dims(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
     return K, V, max(16, _pow2(K))
 
 
-def _run_scan(config, left, right, g, init, table, chunk, weight, reverse, final, prec):
+def _run_scan(config, left, right, g, init, table, chunk, weight, reverse, final, prec, key_gates=False):
     first, start, end, n_seq, n_chunks, _ = table
     heads, K, V = g.shape[2], left.shape[3], right.shape[3]
     bk, bv, warps = config.scan_tiles
@@ -301,7 +324,7 @@ def _run_scan(config, left, right, g, init, table, chunk, weight, reverse, final
     _fast(_scan)[grid](left, right, g, init if init is not None else states, states, out,
                        flags if flags is not None else states, first, start, end, float(weight), heads,
                        heads // left.shape[2], K, V, REVERSE=reverse, HAS_INIT=init is not None, STORE_FINAL=final,
-                       BT=chunk, BK=bk, BV=bv, PREC=prec, num_warps=warps)
+                       BT=chunk, BK=bk, BV=bv, PREC=prec, KEY_GATES=key_gates, num_warps=warps)
     return states, (out if final else None), flags
 
 
@@ -314,9 +337,9 @@ def forward(config, q, k, v, g, s_init, cu_seqlens, scale, chunk, final):
     o = _empty((*q.shape[:3], V), v.dtype, v.device, config.poison_outputs)
     n_chunks = table[4]
     _fast(_output)[lambda meta: (triton.cdiv(V, meta["BV"]), n_chunks, heads)](
-        q, k, v, g, states, flags, o, table[1], table[2], float(scale), heads, heads // k.shape[2], K, V,
+        q, k, v, g, states, flags, o, o, table[1], table[2], float(scale), heads, heads // k.shape[2], K, V,
         _work(n_chunks, heads),
-        flags.shape[2], BT=chunk, BK=min(bk, 64), PREC=prec, FLAGS=max(2, _pow2(flags.shape[2])))
+        flags.shape[2], BT=chunk, BK=min(bk, 64), PREC=prec, FLAGS=max(2, _pow2(flags.shape[2])), KEY_GATES=False)
     return o, s_fin
 
 

@@ -41,8 +41,40 @@ class LinearRoles:
     S: str
     head_first: bool = False  # inputs declared [batch head time dim]
     gate_per_head: bool = False  # g[head] (RetNet): broadcast over batch and time by the op
+    gate_per_key: bool = False  # g[batch time head kdim] (GLA): each key row of the state decays by its own gate
     beta: None = None  # the shared validation forms ask every recurrence for these
     alpha: None = None
+
+
+# What `--emit plan` prints of the chunked form: kernel_linear.py's and kernel_gla.py's docstrings derive them
+_SCALAR_FORM = (
+    "chunked form (chunk C; G = cumulative log gate inside a chunk, Gc its total; D[t, s] = exp(G_t - G_s) "
+    "for s <= t; S_c = the state a chunk starts from, [key, value]):",
+    "  states (sequential over chunks): S_(c+1) = exp(Gc) S_c + (k o exp(Gc - G))^T v",
+    "  output (parallel over chunks): o = scale ((q o exp(G)) S_c + ((q k^T) o D) v)",
+    "backward (dS_c: gradient of the state after chunk c):",
+    "  dS_(c-1) = exp(Gc) dS_c + scale (q o exp(G))^T do   (the state scan, reversed)",
+    "  dq = scale (exp(G) o do S_c^T + ((do v^T) o D) k);  dk = exp(Gc - G) o v dS_c^T + scale ((do v^T) o "
+    "D)^T q;  dv = scale ((q k^T) o D)^T do + exp(Gc - G) o k dS_c",
+    "  dg = reverse cumsum over the sequence of (q . dq - k . dk), plus <S_T, dS_T> (final state)",
+    "kernels: forward 2 launches (state scan; output), backward 3 (state scan; reverse scan; gradients) and "
+    "the gate's reverse cumsum; decoding (`recurrent`) 1; static in ncd/families/recurrence/kernel_linear.py",
+)
+_PER_KEY_FORM = (
+    "chunked form (chunk C; G [C, K] = cumulative log gates inside a chunk, per key; Gc its total; sub-chunks of 16):",
+    "  states (sequential over chunks): S_(c+1) = diag(exp(Gc)) S_c + (k o exp(Gc - G))^T v",
+    "  scores: A[t, s] = sum_d q_td k_sd exp(G_td - G_sd) for s <= t; sub-chunks i > j as one product through r, "
+    "the first token of i: (q_i o exp(G_i - G_r)) (k_j o exp(G_r - G_j))^T; diagonal sub-chunks one key row at a "
+    "time (every exponent a sum of gates in order: never positive for gates <= 0)",
+    "  output (parallel over chunks): o = scale ((q o exp(G)) S_c + A v)",
+    "backward: dS_(c-1) = diag(exp(Gc)) dS_c + scale (q o exp(G))^T do;  dA = scale (do v^T) o [s <= t];",
+    "  dq = scale exp(G) o (do S_c^T) + dA through the sub-chunks;  dk = exp(Gc - G) o (v dS_c^T) + dA^T through "
+    "them;  dv = (k o exp(Gc - G)) dS_c + scale A^T do",
+    "  dg[:, d] = reverse cumsum over the sequence of (q o dq - k o dk)[:, d], plus sum_v S_T[d, v] dS_T[d, v]",
+    "kernels: forward 4 launches (cumulative gates; state scan; scores; output), backward 6 (cumulative gates; "
+    "state scan; reverse scan; scores; state-path gradients; sub-chunk gradients) and the gate's reverse cumsum; "
+    "decoding (`recurrent`) 1; static in ncd/families/recurrence/kernel_gla.py and kernel_linear.py",
+)
 
 
 @dataclass(frozen=True)
@@ -59,27 +91,18 @@ class LinearScanPlan:
 
     def describe(self) -> list[str]:
         r = self.roles
+        gate = ("one per head, every token" if r.gate_per_head else
+                f"one per token, head and key dimension '{r.kdim}'" if r.gate_per_key else "one per token and head")
         return [
             "kernel family: gated linear attention (a gated outer-product scan read by the queries)",
-            f"  roles: queries {r.q}, keys {r.k}, values {r.v}, log gate {r.g} "
-            f"({'one per head, every token' if r.gate_per_head else 'one per token and head'}), scale "
+            f"  roles: queries {r.q}, keys {r.k}, values {r.v}, log gate {r.g} ({gate}), scale "
             f"{r.scale or '1'}{f' times {self.config.output_factor:g}' if self.config.output_factor != 1 else ''}; "
             f"scan over '{r.time}', per ({r.batch}, {r.head})"
             f"{'; head-first inputs, run as batch x head sequences of one head' if r.head_first else ''}",
             f"  state: {r.S}[{r.vdim} {r.kdim}] = sum_s exp(G_t - G_s) v_s k_s^T  ({self.origins['S']}); "
             f"o_t = scale S_t q_t  ({self.origins['output']})",
             self.derivation,
-            "chunked form (chunk C; G = cumulative log gate inside a chunk, Gc its total; D[t, s] = exp(G_t - G_s) "
-            "for s <= t; S_c = the state a chunk starts from, [key, value]):",
-            "  states (sequential over chunks): S_(c+1) = exp(Gc) S_c + (k o exp(Gc - G))^T v",
-            "  output (parallel over chunks): o = scale ((q o exp(G)) S_c + ((q k^T) o D) v)",
-            "backward (dS_c: gradient of the state after chunk c):",
-            "  dS_(c-1) = exp(Gc) dS_c + scale (q o exp(G))^T do   (the state scan, reversed)",
-            "  dq = scale (exp(G) o do S_c^T + ((do v^T) o D) k);  dk = exp(Gc - G) o v dS_c^T + scale ((do v^T) o "
-            "D)^T q;  dv = scale ((q k^T) o D)^T do + exp(Gc - G) o k dS_c",
-            "  dg = reverse cumsum over the sequence of (q . dq - k . dk), plus <S_T, dS_T> (final state)",
-            "kernels: forward 2 launches (state scan; output), backward 3 (state scan; reverse scan; gradients) and "
-            "the gate's reverse cumsum; decoding (`recurrent`) 1; static in ncd/families/recurrence/kernel_linear.py",
+            *(_PER_KEY_FORM if r.gate_per_key else _SCALAR_FORM),
             *self.config.describe(),
         ]
 
@@ -236,11 +259,6 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
     g_name: str = gate
     g_axes = program.tensor(g_name).axes
     token_axes, head_first = token_layout(rec, q_name, kdim, scan)
-    if len(g_axes) == 4 and g_axes[:3] == token_axes:
-        raise _fail(program.tensor(g_name).span, f"{g_name} gates every key dimension ([{' '.join(g_axes)}]: GLA's "
-                    "per-key gate); the recurrence family compiles a scalar gate per token and head so far",
-                    hint=f"declare {g_name}[{' '.join(token_axes)}] (simple GLA), or let the generic family "
-                    "compile this spec")
     keys = [f for f in (left, right) if f.axes and f.axes[-1] == kdim]
     if len(keys) != 1:
         raise _fail(scan.body, f"expected {s_name}'s update to be an outer product of the values and the keys "
@@ -257,9 +275,15 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
                     "compiled in fla's layout only: declare the inputs [batch time head dim], k and v [batch time "
                     "kvhead dim]")
     gate_per_head = g_axes == (head,)  # RetNet: one decay per head, the same at every token
-    for name, axes in ((k_name, (*kv_axes, kdim)), (v_name, (*kv_axes, vdim)),
-                       (g_name, (head,) if gate_per_head else token_axes), (out, (*token_axes, vdim))):
+    gate_per_key = g_axes == (*token_axes, kdim)  # GLA: a decay per key dimension
+    g_expected = (head,) if gate_per_head else (*token_axes, kdim) if gate_per_key else token_axes
+    for name, axes in ((k_name, (*kv_axes, kdim)), (v_name, (*kv_axes, vdim)), (g_name, g_expected),
+                       (out, (*token_axes, vdim))):
         if program.tensor(name).axes != axes:
+            if name == g_name:
+                raise _fail(program.tensor(name).span, f"declare {name} as [{' '.join(token_axes)}] (a gate per "
+                            f"token and head), [{' '.join(token_axes)} {kdim}] (a gate per key dimension: GLA) or "
+                            f"[{head}] (one per head: RetNet)")
             raise _fail(program.tensor(name).span, f"declare {name} as [{' '.join(axes)}] (the layout of "
                         f"{q_name})")
     check_roles(rec, [("queries", q_name), ("keys", k_name), ("values", v_name), ("log gate", g_name),
@@ -268,13 +292,18 @@ def recognize_linear(rec: _Recognizer, out: str, value: ir.Contract, scale: str 
     rec.check_addressing(out, token_axes, {s_name: {(*kv_axes, vdim), (*kv_axes, kdim)}},
                          {k_name: kv_axes, v_name: kv_axes, **({g_name: (head,)} if gate_per_head else {})})
     rec.check_state_axes(s_name, scan, token_axes, {vdim, kdim})
+    if gate_per_key:  # each key row of the state decays by its own gate: g read along the keys' axis
+        read = next(n for n in ir.walk(scan.body) if isinstance(n, ir.Load) and n.tensor == g_name)
+        if tuple(i.axis for i in read.index)[3:] != (kdim,):
+            raise _fail(read, f"{g_name} gates the state's key axis '{kdim}' (GLA); read it as "
+                        f"{g_name}[{' '.join(g_expected)}]")
     try:
         derivation = derive_chunked_form(scan, g_name, k_name, v_name, q_name)
     except ValueError as err:
         raise _fail(scan, str(err)) from None
     roles = LinearRoles(q=q_name, k=k_name, v=v_name, g=g_name, scale=scale, output=out, batch=batch, time=time,
                         head=head, kdim=kdim, vdim=vdim, S=s_name, head_first=head_first,
-                        gate_per_head=gate_per_head)
+                        gate_per_head=gate_per_head, gate_per_key=gate_per_key)
     origins = {"S": rec.origin(s_name), "output": rec.origin(out),
                "scale": f"{rec.file}:{program.tensor(scale).span.line}" if scale else rec.origin(out)}
     return LinearScanPlan(roles=roles, origins=origins, derivation=derivation,

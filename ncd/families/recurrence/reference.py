@@ -112,14 +112,16 @@ def chunked_gka(q, k, v, g, beta=None, alpha=None, scale=None, ridge=0.02, num_i
 
 
 def naive_simple_gla(q, k, v, g, scale=None, initial_state=None):
-    """Gated linear attention token by token, S_t = exp(g_t) S_(t-1) + k_t v_t^T, o_t = scale S_t^T q_t: returns
-    (o [B, T, H, V], S_T [B, H, K, V]); computes in q's dtype (pass float64 for an oracle), differentiable."""
+    """Gated linear attention token by token, S_t = exp(g_t) S_(t-1) + k_t v_t^T, o_t = scale S_t^T q_t, with g
+    [B, T, H] (a gate per head) or [B, T, H, K] (GLA: a gate per key row of S): returns (o [B, T, H, V], S_T [B, H,
+    K, V]); computes in q's dtype (pass float64 for an oracle), differentiable."""
     B, T, heads, K = q.shape
     scale = K ** -0.5 if scale is None else scale
     s = q.new_zeros(B, heads, K, v.shape[-1]) if initial_state is None else initial_state.to(q.dtype)
     outs = []
     for t in range(T):
-        s = g[:, t].exp()[..., None, None].to(q.dtype) * s + k[:, t, :, :, None] * v[:, t, :, None, :]
+        decay = g[:, t].exp()[..., None] if g.dim() == 4 else g[:, t].exp()[..., None, None]
+        s = decay.to(q.dtype) * s + k[:, t, :, :, None] * v[:, t, :, None, :]
         outs.append(scale * (q[:, t, :, None, :] @ s)[..., 0, :])
     return torch.stack(outs, 1), s
 

@@ -91,7 +91,7 @@ def render_linear_module(program: ir.Program, plan: LinearScanPlan, op_id: str) 
     """The gated linear attention's module: its config and the op on kernel_linear.py's static kernels."""
     r = plan.roles
     return _render_scan_module("linear_scan.py.jinja", program, plan, op_id, {r.q: "q", r.k: "k", r.v: "v", r.g: "g"},
-                               gate_per_head=r.gate_per_head)
+                               gate_per_head=r.gate_per_head, gate_per_key=r.gate_per_key)
 
 
 def render_delta_module(program: ir.Program, plan: DeltaRulePlan, op_id: str) -> str:

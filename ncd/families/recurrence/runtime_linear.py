@@ -32,7 +32,10 @@ class LinearScanOp(ScanOp):
     def __init__(self, spec_name: str, op_id: str, *, roles: Roles, axes: Mapping[str, tuple[int | None, tuple]],
                  forward: Callable[..., Any], backward: Callable[..., Any], chunk_table: Callable[..., Any],
                  step: Callable[..., Any], output_factor: float,
-                 scale_default: Callable[[dict[str, int]], float | None], chunk_size: int) -> None:
+                 scale_default: Callable[[dict[str, int]], float | None], chunk_size: int,
+                 eager_forward: Callable[..., Any] | None = None) -> None:
+        """eager_forward (optional): `(needs, *args) -> ((o, s_fin), stash)`, a forward whose stash (e.g. GLA's
+        chunk scores) the eager backward receives as the backward launcher's last argument."""
         self.spec_name, self.roles, self.axes = spec_name, roles, axes
         self.chunk_size = chunk_size
         self._launch_forward, self._launch_backward, self._chunk_table = forward, backward, chunk_table
@@ -40,7 +43,7 @@ class LinearScanOp(ScanOp):
         self.output_factor, self.scale_default = output_factor, scale_default
         self.op = KernelOp(f"ncd::{op_id}", spec_name, self.ARGS, ["o", "s_fin"], differentiable=2,
                            forward=self._forward, fake=self._fake, backward=self._backward,
-                           backward_fake=self._backward_fake)
+                           backward_fake=self._backward_fake, eager_forward=eager_forward)
 
     def _forward(self, *args: Any) -> tuple:
         return self._launch_forward(*args)
@@ -57,7 +60,8 @@ class LinearScanOp(ScanOp):
         q, k, v, g, s_init, cu_seqlens = saved
         scale, chunk, _ = constants
         ds_fin = ds_fin if ds_fin is not None and ds_fin.numel() > 0 else None
-        return list(self._launch_backward(do, ds_fin, q, k, v, g, s_init, cu_seqlens, scale, chunk))
+        kept = () if stash is None else (stash,)
+        return list(self._launch_backward(do, ds_fin, q, k, v, g, s_init, cu_seqlens, scale, chunk, *kept))
 
     @staticmethod
     def _backward_fake(grads: tuple, saved: tuple, constants: tuple, needs: tuple) -> list:
