@@ -174,7 +174,7 @@ def test_the_chunked_form_is_derived_from_the_specs_own_scan(tmp_path):
         assert "refused.ncd:" in str(info.value) and message in str(info.value), str(info.value)
 
 
-def test_head_first_specs_equal_the_fla_layout_and_gqa_is_refused_at_the_keys(tmp_path):
+def test_head_first_specs_equal_the_fla_layout_and_keys_apart_from_values_are_refused(tmp_path):
     from ncd.families.recurrence.plan import plan_recurrence
 
     text = GATED.replace("spec gated_delta_rule", "spec gdr_head_first")
@@ -190,10 +190,49 @@ def test_head_first_specs_equal_the_fla_layout_and_gqa_is_refused_at_the_keys(tm
     ref, ref_final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                                             chunk_size=32)
     assert torch.equal(o.transpose(1, 2), ref) and torch.equal(final, ref_final)
-    gqa = GATED.replace("axis batch, time, head", "axis batch, time, kvhead, qgroup\naxis head = kvhead * qgroup")
-    gqa = gqa.replace("in  k[batch time head kdim]", "in  k[batch time kvhead kdim]")
-    spec = tmp_path / "gdr_gqa.ncd"
-    spec.write_text(gqa)
+    keys_only = GQA.replace("in  v[batch time kvhead vdim]", "in  v[batch time head vdim]")
+    spec = tmp_path / "gdr_keys_only.ncd"
+    spec.write_text(keys_only)
     with pytest.raises(ncd.errors.NcdError) as info:
         plan_recurrence(ncd.load_spec(spec), {})
-    assert "gdr_gqa.ncd:13:" in str(info.value) and "(GQA) are not compiled" in str(info.value), str(info.value)
+    assert "gdr_keys_only.ncd:14:" in str(info.value) and "as [batch time kvhead dim]" in str(info.value), \
+        str(info.value)
+
+
+GQA = GATED.replace("axis batch, time, head", "axis batch, time, kvhead, qgroup\naxis head = kvhead * qgroup").replace(
+    "in  k[batch time head kdim]", "in  k[batch time kvhead kdim]").replace(
+    "in  v[batch time head vdim]", "in  v[batch time kvhead vdim]")
+
+
+def test_gqa_keys_and_values_are_shared_by_their_group_of_query_heads(tmp_path):
+    """k, v on kvhead: each query head runs the delta rule on its group's keys and values with its own gate and
+    writing strength (a state of its own); output, final state and every gradient equal the op's on repeated keys
+    and values, dk and dv summed over each group; decoding too; the plan says so."""
+    assert GQA.count("kvhead") == 4
+    spec = tmp_path / "gdr_gqa.ncd"
+    spec.write_text(GQA)
+    op = ncd.load(spec, sizes={"kdim": K, "vdim": V}, cache_dir=tmp_path / "cache")
+    assert "GQA: repeated per query head" in "\n".join(op.plan.describe())
+    q, _, _, g, beta = draw(B=1, T=40, H=4, seed=11)
+    _, k, v, _, _ = draw(B=1, T=40, H=2, seed=12)
+    s0 = torch.randn(1, 4, K, V) * 0.3
+    do, dfin = torch.randn((*q.shape[:3], V)), torch.randn(s0.shape)
+
+    def repeated(*t):
+        return chunk_gated_delta_rule(t[0], t[1].repeat_interleave(2, 2), t[2].repeat_interleave(2, 2), t[3], t[4],
+                                      initial_state=t[5], output_final_state=True, chunk_size=32)
+
+    want = with_grads(repeated, (q, k, v, g, beta, s0), (do, dfin))
+    got = with_grads(lambda *t: op.module.chunk(*t[:5], initial_state=t[5], output_final_state=True,
+                                                chunk_size=32), (q, k, v, g, beta, s0), (do, dfin))
+    assert got[3].shape == k.shape and got[4].shape == v.shape
+    for a, b in zip(got, want, strict=True):
+        assert rms_ratio(a, b) < 1e-6
+    with torch.no_grad():
+        one, state = op.module.recurrent(*(t[:, :1] for t in (q, k, v, g, beta)), initial_state=s0)
+        want_one, want_state = recurrent_gated_delta_rule(q[:, :1], k[:, :1].repeat_interleave(2, 2),
+                                                          v[:, :1].repeat_interleave(2, 2), g[:, :1], beta[:, :1],
+                                                          initial_state=s0)
+    assert rms_ratio(one, want_one) < 1e-6 and rms_ratio(state, want_state) < 1e-6
+    with pytest.raises(CallError, match="kvhead"):
+        op.module.chunk(q[:, :, :3], k, v, g[:, :, :3], beta[:, :, :3])  # 3 query heads over 2 key/value heads

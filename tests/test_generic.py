@@ -346,23 +346,23 @@ axis vdim = 5
 in  q[batch time head kdim] : f32
 in  k[batch time head kdim] : f32
 in  v[batch time head vdim] : f32
-in  g[batch time head kdim] : f32
+in  g[batch time head vdim] : f32
 S[batch time head vdim kdim] = scan(exp(g) * prev + v * k, over time)
 out o[batch time head vdim] = S . q over kdim
 """
 
 
 def test_a_scan_the_recurrence_family_cannot_compile_falls_back_to_generic(tmp_path, run_cli):
-    """Gated linear attention with a gate per key dimension (GLA): the recurrence family recognises the scan but
-    compiles scalar gates only, so it declines at the gate's declaration and the generic family compiles the spec;
-    `ncd check` validates it."""
+    """Gated linear attention with a gate per value dimension (fla's `gv`): the recurrence family recognises the
+    scan but compiles gates per head, token or key dimension only, so it declines at the gate's declaration and the
+    generic family compiles the spec; `ncd check` validates it."""
     spec = tmp_path / "linear_rnn.ncd"
     spec.write_text(LINEAR_RNN)
     code, out, err = run_cli("compile", str(spec), "--emit", "plan")
     assert code == 0, err
     assert out.startswith("family: generic")
-    assert ("declined by recurrence: linear_rnn.ncd:8:1: recognised, but: g gates every key dimension ([batch time "
-            "head kdim]: GLA's per-key gate)") in out
+    assert ("declined by recurrence: linear_rnn.ncd:8:1: recognised, but: declare g as [batch time head] (a gate "
+            "per token and head), [batch time head kdim] (a gate per key dimension: GLA)") in out
     assert "ncd: note: recurrence: linear_rnn.ncd:8:1:" in err
     code, out, err = run_cli("check", str(spec))
     assert code == 0, out + err

@@ -194,3 +194,24 @@ def test_the_backward_recomputes_the_scores_the_eager_forward_keeps(gla_op):
                                                                              False)[0])
     for a, b in zip(kept[:4], recomputed[:4], strict=True):
         assert torch.equal(a, b)
+
+
+def test_head_first_gates_per_key_run_as_sequences_of_one_head(gla_op, tmp_path):
+    """[batch head time dim] inputs, g [batch head time kdim]: the same kernels on B x H sequences of one head; the
+    output, final state and every gradient equal the time-first op's."""
+    spec = tmp_path / "gla_head_first.ncd"
+    spec.write_text(BASE.replace("[batch time head", "[batch head time"))
+    op = ncd.load(spec, sizes={"kdim": K, "vdim": V}, cache_dir=tmp_path / "cache")
+    q, k, v, g = draw(B=1, T=40, seed=13)
+    s0 = torch.randn(1, 2, K, V) * 0.1
+    do, dfin = torch.randn(v.shape), torch.randn(s0.shape)
+
+    def head_first(t):
+        return t.transpose(1, 2).contiguous()
+
+    want = with_grads(lambda *t: gla_op.module.chunk(*t[:4], initial_state=t[4], output_final_state=True,
+                                                     chunk_size=32), (q, k, v, g, s0), (do, dfin))
+    got = with_grads(lambda *t: op.module.chunk(*t[:4], initial_state=t[4], output_final_state=True, chunk_size=32),
+                     (*map(head_first, (q, k, v, g)), s0), (head_first(do), dfin))
+    for index, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert rms_ratio(a.transpose(1, 2) if index in (0, 2, 3, 4, 5) else a, b) < 1e-6, index

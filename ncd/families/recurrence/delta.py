@@ -18,6 +18,7 @@ import sympy
 
 from ncd import ir
 from ncd.families.recurrence.config import LinearScanConfig
+from ncd.families.recurrence.linear import group_sizes
 
 if TYPE_CHECKING:
     from ncd.families.recurrence.plan import _Recognizer
@@ -39,7 +40,12 @@ class DeltaRoles:
     vdim: str
     S: str
     head_first: bool = False
+    grouped: bool = False  # k, v on kvhead (`axis head = kvhead * group`): repeated per query head by the op
     alpha: None = None  # the shared validation forms ask every recurrence for it
+
+
+_GROUPED = ("; keys and values shared by groups of query heads (GQA: repeated per query head, whose gates and "
+            "writing strengths are its own)")
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,8 @@ class DeltaRulePlan:
             f"{f'log gate {r.g}, ' if r.g else 'no gate, '}writing strength {r.beta}, scale {r.scale or '1'}"
             f"{f' times {self.config.output_factor:g}' if self.config.output_factor != 1 else ''}; scan over "
             f"'{r.time}', per ({r.batch}, {r.head})"
-            f"{'; head-first inputs, run as batch x head sequences of one head' if r.head_first else ''}",
+            f"{'; head-first inputs, run as batch x head sequences of one head' if r.head_first else ''}"
+            f"{_GROUPED if r.grouped else ''}",
             f"  state: {r.S}_t = {gate}{r.S}_(t-1) (I - b_t k_t k_t^T) + b_t v_t k_t^T  ({self.origins['S']}); "
             f"o_t = scale S_t q_t  ({self.origins['output']})",
             self.derivation,
@@ -94,6 +101,7 @@ class DeltaRulePlan:
     def validation_sizes(self, program: ir.Program) -> dict[str, int]:
         r = self.roles
         sizes = {r.batch: 2, r.time: 37, r.head: 2}
+        sizes.update(group_sizes(program, r.head, 2))
         for axis in (r.kdim, r.vdim):
             sizes[axis] = program.axis(axis).fixed or 24
         return sizes
@@ -216,7 +224,7 @@ def derive_delta_form(scan: ir.Scan, names: dict[str, str | None], kdim: str, vd
 
 def recognize_delta(rec: _Recognizer, out: str, value: ir.Contract, scale: str | None, output_factor: float,
                     state: ir.Load, reader: ir.Load) -> DeltaRulePlan:
-    from ncd.families.recurrence.linear import check_roles, token_layout
+    from ncd.families.recurrence.linear import check_roles, kv_token_axes, token_layout
     from ncd.families.recurrence.plan import _fail
 
     program = rec.program
@@ -234,14 +242,20 @@ def recognize_delta(rec: _Recognizer, out: str, value: ir.Contract, scale: str |
         if program.tensor(name).role != "in":
             raise _fail(scan.body, f"expected {s_name}'s update to read declared inputs only; {name} is defined "
                         "in the spec")
-    for name in loads:
+    vectors = [n for n in loads if len(program.tensor(n).axes) == 4]
+    kv_axes = kv_token_axes(program, token_axes, head, next(
+        (program.tensor(n).axes[:3] for n in vectors if program.tensor(n).axes[3] == kdim), token_axes))
+    for name in vectors:
         axes = program.tensor(name).axes
-        if len(axes) == 4 and axes[:3] != token_axes:
+        if axes[:3] != kv_axes:
             raise _fail(program.tensor(name).span, f"{name} is declared [{' '.join(axes)}]: the delta rule reads "
-                        f"every input per query head, [{' '.join(token_axes)} ...]; keys and values shared by "
-                        "groups of query heads (GQA) are not compiled for it yet")
-    keys = [n for n in loads if program.tensor(n).axes == (*token_axes, kdim)]
-    values = [n for n in loads if len(program.tensor(n).axes) == 4 and n not in keys]
+                        f"the keys and values per token as [{' '.join(kv_axes)} dim]")
+    if head_first and kv_axes != token_axes:
+        raise _fail(program.tensor(vectors[0]).span, "keys and values shared by groups of query heads (GQA) are "
+                    "compiled in fla's layout only: declare the inputs [batch time head dim], k and v [batch time "
+                    "kvhead dim]")
+    keys = [n for n in vectors if program.tensor(n).axes == (*kv_axes, kdim)]
+    values = [n for n in vectors if n not in keys]
     scalars = [n for n in loads if program.tensor(n).axes == token_axes]
     gated = {n.arg.tensor for n in ir.walk(scan.body)
              if isinstance(n, ir.Unary) and n.fn == "exp" and isinstance(n.arg, ir.Load)}
@@ -264,7 +278,7 @@ def recognize_delta(rec: _Recognizer, out: str, value: ir.Contract, scale: str |
     check_roles(rec, [("queries", q_name), ("keys", k_name), ("values", v_name), ("log gate", g_name),
                       ("writing strength", beta), ("scale", scale)], "the delta rule")
     rec.claimed = [s_name]
-    rec.check_addressing(out, token_axes, {})
+    rec.check_addressing(out, token_axes, {}, {k_name: kv_axes, v_name: kv_axes})
     rec.check_state_axes(s_name, scan, token_axes, {vdim, kdim})
     try:
         derivation = derive_delta_form(scan, {"q": q_name, "k": k_name, "v": v_name, "g": g_name, "beta": beta},
@@ -272,7 +286,8 @@ def recognize_delta(rec: _Recognizer, out: str, value: ir.Contract, scale: str |
     except ValueError as err:
         raise _fail(scan, str(err)) from None
     roles = DeltaRoles(q=q_name, k=k_name, v=v_name, g=g_name, beta=beta, scale=scale, output=out, batch=batch,
-                       time=time, head=head, kdim=kdim, vdim=vdim, S=s_name, head_first=head_first)
+                       time=time, head=head, kdim=kdim, vdim=vdim, S=s_name, head_first=head_first,
+                       grouped=kv_axes != token_axes)
     origins = {"S": rec.origin(s_name), "output": rec.origin(out),
                "scale": f"{rec.file}:{program.tensor(scale).span.line}" if scale else rec.origin(out)}
     return DeltaRulePlan(roles=roles, origins=origins, derivation=derivation,

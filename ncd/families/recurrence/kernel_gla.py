@@ -98,10 +98,10 @@ def _intra_scores(q_ptr, k_ptr, gc_ptr, a_ptr, chunk_start_ptr, chunk_end_ptr, H
             elif j > i:
                 tl.store(out + j * BC, tl.zeros((BC, BC), tl.float32), mask=valid[:, None])
         qf = q.to(tl.float32)
-        for s in range(BC):  # the diagonal block, a column at a time; rows t < s (which may overflow) are dropped
+        for s in range(BC):  # the diagonal block, a column at a time; rows t < s are dropped, their exponents first
             k_s = _row(k_ptr + (h // G) * K, bos + i * BC + s, eos, (H // G) * K, ck, K)
             g_s = _row(gc_ptr + h * K, bos + i * BC + s, eos, H * K, ck, K)
-            col = tl.sum(qf * k_s[None, :] * tl.exp(gq - g_s[None, :]), 1)
+            col = tl.sum(qf * k_s[None, :] * tl.exp(tl.where((t >= s)[:, None], gq - g_s[None, :], 0.0)), 1)
             tl.store(a_ptr + rows * (H * BT) + h * BT + i * BC + s, tl.where(t >= s, col, 0.0), mask=valid)
 
 
@@ -198,9 +198,12 @@ def _intra_grads(q_ptr, k_ptr, gc_ptr, da_ptr, dq_ptr, dk_ptr, dq_out_ptr, dk_ou
             da_row = tl.load(da_ptr + row.to(tl.int64) * (H * BT) + h * BT + i * BC + t,
                              mask=(t <= s) & (t * 0 + row < eos), other=0.0)
             later, earlier = (t >= s)[:, None], (t <= s)[:, None]
-            # elementwise selects: an exponent outside the triangle may overflow, and is dropped with its product
-            dq += tl.where(later, da_col[:, None] * k_s[None, :] * tl.exp(gi - g_s[None, :]), 0.0)
-            dk += tl.where(earlier, da_row[:, None] * q_s[None, :] * tl.exp(g_s[None, :] - gi), 0.0)
+            # outside the triangle an exponent could overflow: it is zeroed before the exponential, and the product
+            # dropped after it (0 * NaN)
+            dq += tl.where(later, da_col[:, None] * k_s[None, :] * tl.exp(tl.where(later, gi - g_s[None, :], 0.0)),
+                           0.0)
+            dk += tl.where(earlier, da_row[:, None] * q_s[None, :] * tl.exp(tl.where(earlier, g_s[None, :] - gi, 0.0)),
+                           0.0)
         dq += tl.load(dq_ptr + at, mask=mask, other=0.0)
         dk += tl.load(dk_ptr + at, mask=mask, other=0.0)
         tl.store(dq_out_ptr + at, dq.to(dq_out_ptr.dtype.element_ty), mask=mask)

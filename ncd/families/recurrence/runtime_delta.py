@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ncd.errors import CallError
-from ncd.families.recurrence.runtime import as_head_first, as_one_head_sequences
+from ncd.families.recurrence.runtime import _per_query_head, as_head_first, as_one_head_sequences
 from ncd.families.recurrence.runtime_linear import LinearScanOp
 from ncd.op_runtime import Arg
 
@@ -54,14 +54,15 @@ class DeltaRuleOp(LinearScanOp):
               scale: Any = None, initial_state: Any = None, output_final_state: bool = False, cu_seqlens: Any = None,
               *, chunk_size: int | None = None) -> tuple:
         """The chunked op in fla's chunk_gated_delta_rule positional order (q, k, v, g, beta, scale, initial_state,
-        output_final_state, cu_seqlens; without a gate in the spec, chunk_delta_rule's: q, k, v, beta, scale, ...).
-        q, k [B, T, H, K] (k l2-normalised, as fla's layers do, for a contracting update), v [B, T, H, V], g [B, T,
-        H] natural-log gates (<= 0; -inf resets), beta [B, T, H] (0 < beta < 2), or all head-first [B, H, T, ...]
-        where the spec declares them so (no cu_seqlens then). scale: a number or a one-element tensor (its
-        gradient is computed when it requires one); None takes the spec's default. initial_state: S [N, H, K, V]
-        fp32 or None. Returns (o [B, T, H, V], final state [N, H, K, V] fp32 or None). Non-finite inputs: the
-        outputs are non-finite exactly where the recurrence's are, the gradients at least there; double backward
-        raises."""
+        output_final_state, cu_seqlens; without a gate in the spec, chunk_delta_rule's: q, k, v, beta, scale, ...). q, k
+        [B, T, H, K] (k l2-normalised, as fla's layers do, for a contracting update), v [B, T, H, V], g [B, T, H]
+        natural-log gates (<= 0; -inf resets), beta [B, T, H] (0 < beta < 2), or all head-first [B, H, T, ...] where the
+        spec declares them so (no cu_seqlens then); k and v with H / G heads where the spec splits `head = kvhead *
+        group` (GQA: each query head keeps a state of its own, its gate and beta its own). scale: a number or a
+        one-element tensor (its gradient is computed when it requires one); None takes the spec's default.
+        initial_state: S [N, H, K, V] fp32 or None. Returns (o [B, T, H, V], final state [N, H, K, V] fp32 or None).
+        Non-finite inputs: the outputs are non-finite exactly where the recurrence's are, the gradients at least there;
+        double backward raises."""
         chunk_size = self.chunk_size if chunk_size is None else chunk_size
         if chunk_size not in CHUNK_SIZES:  # the UT transform's blocks of 16 rows: 1, 2 or 4 per chunk
             raise CallError(None, detail=f"{self.spec_name}: chunk_size must be 16, 32 or 64, got {chunk_size}")
@@ -74,6 +75,7 @@ class DeltaRuleOp(LinearScanOp):
         shape = None
         if self.roles.head_first:  # [B, H, T, D] is [B * H, T, 1, D]: B * H sequences of one head
             (q, k, v, g, beta), (s_init,), shape = as_one_head_sequences((q, k, v, g, beta), (s_init,))
+        k, v = _per_query_head(q, k, v)
         o, s_fin = self.op(q.contiguous(), k.contiguous(), v.contiguous(), None if g is None else g.contiguous(),
                            beta.contiguous(), s_init, cu_seqlens, float(scale), int(chunk_size),
                            bool(output_final_state))
@@ -102,6 +104,7 @@ class DeltaRuleOp(LinearScanOp):
         if self.roles.head_first:
             (q, k, v, g, beta), (initial_state,), shape = as_one_head_sequences((q, k, v, g, beta),
                                                                                 (initial_state,))
+        k, v = _per_query_head(q, k, v)
         o, s_fin = self._launch_step(q, k, v, g, beta, initial_state, scale)
         if shape is not None:
             o, (s_fin,) = as_head_first(o, (s_fin,), shape)
