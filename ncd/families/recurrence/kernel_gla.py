@@ -6,8 +6,9 @@ kernels with KEY_GATES set; what differs is the chunk's masked scores, which no 
 
 Each chunk is cut into sub-chunks of BC = 16 tokens. A block of sub-chunks i > j is one product with a reference
 point r, the first token of sub-chunk i: (q_i o exp(G_i - G_r)) (k_j o exp(G_r - G_j))^T, where both exponents
-are sums of gates over tokens in order, never positive. A diagonal block takes its exponents one key row at a time
-(BC rows), masked before the exponential. The same split gives dq and dk from dA = scale (do v^T) (_intra_grads).
+are sums of gates over tokens in order, never positive for gates <= 0. A diagonal block takes its exponents one key
+row at a time (BC rows), masked before the exponential. The same split gives dq and dk from dA = scale (do v^T)
+(_intra_grads).
 
 Backward (kernel_linear.py's docstring, with exp(G) per key): dq = scale exp(G) o (do S_c^T) + intra, dk =
 exp(Gc - G) o (v dS_c^T) + intra, dv = (k o exp(Gc - G)) dS_c + scale A^T do, and per key dimension d
@@ -41,6 +42,7 @@ from ncd.tuning import autotune
 def _warps(options: tuple[int, ...]) -> list:
     """Autotune sets of warps for the sub-chunk kernels ([16, K] tiles); one config on the interpreter."""
     return [triton.Config({}, num_warps=w) for w in ((4,) if _INTERPRET else options)]
+
 
 BC: tl.constexpr = tl.constexpr(16)  # tokens per sub-chunk
 

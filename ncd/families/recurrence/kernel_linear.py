@@ -106,6 +106,8 @@ def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, flags_ptr
                  mask=tile_mask)
         rows = bos + (c - first) * BT + tl.arange(0, BT)
         valid = rows < eos
+        if not KEY_GATES:
+            gc, gsum = _gates(g_ptr + h, rows, valid, H)
         lt = _load_cols(left_ptr + (h // G) * K, rows, valid, (H // G) * K, rk, K)
         rgt = _load_rows_raw(right_ptr + (h // G) * V, rows, valid, (H // G) * V, 0, rv, V)
         if not REVERSE:
@@ -118,7 +120,6 @@ def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, flags_ptr
             w = weight * tl.exp(gk) if REVERSE else tl.exp(gtot[:, None] - gk)
             state = _dot(_operand(lt.to(tl.float32) * w, lt, PREC), rgt, PREC, state * tl.exp(gtot)[:, None])
         else:
-            gc, gsum = _gates(g_ptr + h, rows, valid, H)
             w = weight * tl.exp(gc) if REVERSE else tl.exp(gsum - gc)
             state = _dot(_operand(lt.to(tl.float32) * w[None, :], lt, PREC), rgt, PREC, state * tl.exp(gsum))
     if STORE_FINAL:
@@ -163,6 +164,8 @@ def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, flags_ptr, o_ptr, scores_ptr
     (scores_ptr [tokens, H, BT] fp32)."""
     i_v, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
+    if not KEY_GATES:
+        gc, _ = _gates(g_ptr + h, rows, valid, H)
     cv = i_v * BV + tl.arange(0, BV)
     part = (c * H + h).to(tl.int64) * K * V
     o = tl.zeros((BT, BV), tl.float32)
@@ -170,13 +173,14 @@ def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, flags_ptr, o_ptr, scores_ptr
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
         q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
-        s0 = tl.load(states_ptr + part + ck[:, None] * V + cv[None, :], mask=(ck[:, None] < K) & (cv[None, :] < V),
-                     other=0.0)
+        s0_at, s0_mask = states_ptr + part + ck[:, None] * V + cv[None, :], (ck[:, None] < K) & (cv[None, :] < V)
         if KEY_GATES:
+            s0 = tl.load(s0_at, mask=s0_mask, other=0.0)
             gq = _load_rows_raw(g_ptr + h * K, rows, valid, H * K, 0, ck, K)
             o = _dot(_operand(q.to(tl.float32) * tl.exp(gq), q, PREC), s0.to(q.dtype), PREC, o)
         else:
             kt = _load_cols(k_ptr + (h // G) * K, rows, valid, (H // G) * K, ck, K)
+            s0 = tl.load(s0_at, mask=s0_mask, other=0.0)
             o = _dot(q, s0.to(q.dtype), PREC, o)
             scores = _dot(q, kt, PREC, scores)
     v = _load_rows_raw(v_ptr + (h // G) * V, rows, valid, (H // G) * V, 0, cv, V)
@@ -184,7 +188,6 @@ def _output(q_ptr, k_ptr, v_ptr, g_ptr, states_ptr, flags_ptr, o_ptr, scores_ptr
         scores = tl.load(scores_ptr + rows[:, None] * (H * BT) + h * BT + tl.arange(0, BT)[None, :],
                          mask=valid[:, None], other=0.0).to(v.dtype)
     else:
-        gc, _ = _gates(g_ptr + h, rows, valid, H)
         o = o * tl.exp(gc)[:, None]
         scores = _causal(scores * _decay_mask(gc, BT), BT).to(v.dtype)
     flagged = tl.load(flags_ptr + (c * H + h) * N_FLAGS + tl.arange(0, FLAGS), mask=tl.arange(0, FLAGS) < N_FLAGS,
