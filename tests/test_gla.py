@@ -41,6 +41,7 @@ def draw(B=2, T=83, H=2, dtype=torch.float32, seed=0, kv_heads=None):
     v = torch.randn(B, T, kv, V, generator=gen).to(dtype)
     # fla's layer draws logsigmoid(.) / 16; these decay faster, so that sub-chunk reference points matter
     g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) * 2 + 1.0)
+    g[:, 5::37, :, ::3] = -40.0  # steep: these tokens' sub-chunks take the diagonal's per-row path (SPAN)
     return q, k, v, g
 
 

@@ -6,9 +6,10 @@ kernels with KEY_GATES set; what differs is the chunk's masked scores, which no 
 
 Each chunk is cut into sub-chunks of BC = 16 tokens. A block of sub-chunks i > j is one product with a reference
 point r, the first token of sub-chunk i: (q_i o exp(G_i - G_r)) (k_j o exp(G_r - G_j))^T, where both exponents
-are sums of gates over tokens in order, never positive for gates <= 0. A diagonal block takes its exponents one key
-row at a time (BC rows), masked before the exponential. The same split gives dq and dk from dA = scale (do v^T)
-(_intra_grads).
+are sums of gates over tokens in order, never positive for gates <= 0. A diagonal block factors through the same
+reference when its gates stay within SPAN of it (one fp32 product, 3xTF32); a steeper one takes its exponents one
+key row at a time, masked before the exponential. The same split gives dq (reference: the sub-chunk's first token)
+and dk (its last) from dA = scale (do v^T) (_intra_grads).
 
 Backward (kernel_linear.py's docstring, with exp(G) per key): dq = scale exp(G) o (do S_c^T) + intra, dk =
 exp(Gc - G) o (v dS_c^T) + intra, dv = (k o exp(Gc - G)) dS_c + scale A^T do, and per key dimension d
@@ -45,6 +46,7 @@ def _warps(options: tuple[int, ...]) -> list:
 
 
 BC: tl.constexpr = tl.constexpr(16)  # tokens per sub-chunk
+SPAN: tl.constexpr = tl.constexpr(30.0)  # _factors
 
 
 @triton.jit
@@ -74,6 +76,14 @@ def _sub_chunk(bos, eos, i, BC: tl.constexpr):
     return rows, rows < eos
 
 
+@triton.jit
+def _factors(gi, ref, valid):
+    """Whether every cumulative gate of the sub-chunk is within SPAN of the reference row: the diagonal block then
+    factors through the reference like the blocks below it (exp(+-SPAN) far from fp32's overflow and underflow);
+    a steeper sub-chunk (a gate near G_FLOOR, a reset) takes its exponents one row at a time."""
+    return tl.max(tl.max(tl.abs(tl.where(valid[:, None], gi - ref[None, :], 0.0)), 1), 0) < SPAN
+
+
 @autotune(name="gla", configs=_warps((1, 2, 4, 8)), key=["K", "BT", "PREC"])
 @triton.jit
 def _intra_scores(q_ptr, k_ptr, gc_ptr, a_ptr, chunk_start_ptr, chunk_end_ptr, H, G, K, BT: tl.constexpr,
@@ -88,7 +98,7 @@ def _intra_scores(q_ptr, k_ptr, gc_ptr, a_ptr, chunk_start_ptr, chunk_end_ptr, H
         q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
         gq = _load_rows_raw(gc_ptr + h * K, rows, valid, H * K, 0, ck, K)
         ref = _row(gc_ptr + h * K, bos + i * BC, eos, H * K, ck, K)
-        q_ref = _operand(tl.where(valid[:, None], q.to(tl.float32) * tl.exp(gq - ref[None, :]), 0.0), q, PREC)
+        q_ref = tl.where(valid[:, None], q.to(tl.float32) * tl.exp(gq - ref[None, :]), 0.0)
         out = a_ptr + rows[:, None] * (H * BT) + h * BT + t[None, :]
         for j in tl.static_range(BT // BC):
             if j < i:
@@ -96,15 +106,22 @@ def _intra_scores(q_ptr, k_ptr, gc_ptr, a_ptr, chunk_start_ptr, chunk_end_ptr, H
                 k = _load_rows_raw(k_ptr + (h // G) * K, rows_j, rows_j < eos, (H // G) * K, 0, ck, K)
                 gk = _load_rows_raw(gc_ptr + h * K, rows_j, rows_j < eos, H * K, 0, ck, K)
                 k_ref = _operand(k.to(tl.float32) * tl.exp(ref[None, :] - gk), k, PREC)
-                tl.store(out + j * BC, _dot(q_ref, tl.trans(k_ref), PREC), mask=valid[:, None])
+                tl.store(out + j * BC, _dot(_operand(q_ref, q, PREC), tl.trans(k_ref), PREC), mask=valid[:, None])
             elif j > i:
                 tl.store(out + j * BC, tl.zeros((BC, BC), tl.float32), mask=valid[:, None])
-        qf = q.to(tl.float32)
-        for s in range(BC):  # the diagonal block, a column at a time; rows t < s are dropped, their exponents first
-            k_s = _row(k_ptr + (h // G) * K, bos + i * BC + s, eos, (H // G) * K, ck, K)
-            g_s = _row(gc_ptr + h * K, bos + i * BC + s, eos, H * K, ck, K)
-            col = tl.sum(qf * k_s[None, :] * tl.exp(tl.where((t >= s)[:, None], gq - g_s[None, :], 0.0)), 1)
-            tl.store(a_ptr + rows * (H * BT) + h * BT + i * BC + s, tl.where(t >= s, col, 0.0), mask=valid)
+        k = _load_rows_raw(k_ptr + (h // G) * K, rows, valid, (H // G) * K, 0, ck, K)
+        if _factors(gq, ref, valid):  # the diagonal block in fp32 products (fla's is exact per element too)
+            k_ref = tl.where(valid[:, None], k.to(tl.float32) * tl.exp(ref[None, :] - gq), 0.0)
+            diag = tl.dot(q_ref, tl.trans(k_ref), input_precision="tf32x3")
+        else:  # a column at a time; rows t < s are dropped, their exponents first
+            qf = q.to(tl.float32)
+            diag = tl.zeros((BC, BC), tl.float32)
+            for s in range(BC):
+                k_s = _row(k_ptr + (h // G) * K, bos + i * BC + s, eos, (H // G) * K, ck, K)
+                g_s = _row(gc_ptr + h * K, bos + i * BC + s, eos, H * K, ck, K)
+                col = tl.sum(qf * k_s[None, :] * tl.exp(tl.where((t >= s)[:, None], gq - g_s[None, :], 0.0)), 1)
+                diag += tl.where(t[None, :] == s, col[:, None], 0.0)
+        tl.store(out + i * BC, tl.where(t[:, None] >= t[None, :], diag, 0.0), mask=valid[:, None])
 
 
 @triton.jit
@@ -166,46 +183,56 @@ def _intra_grads(q_ptr, k_ptr, gc_ptr, da_ptr, dq_ptr, dk_ptr, dq_out_ptr, dk_ou
         q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
         k = _load_rows_raw(k_ptr + (h // G) * K, rows, valid, (H // G) * K, 0, ck, K)
         gi = _load_rows_raw(gc_ptr + h * K, rows, valid, H * K, 0, ck, K)
-        ref = _row(gc_ptr + h * K, bos + i * BC, eos, H * K, ck, K)
+        ref = _row(gc_ptr + h * K, bos + i * BC, eos, H * K, ck, K)  # dq's reference: i's first token
+        end = _row(gc_ptr + h * K, tl.minimum(bos + i * BC + BC, eos) - 1, eos, H * K, ck, K)  # dk's: i's last
         at = rows[:, None] * (H * K) + h * K + ck[None, :]
         mask = valid[:, None] & (ck[None, :] < K)
         da_rows = da_ptr + h * BT + t[None, :]
-        dq_in = tl.zeros((BC, BK), tl.float32)
-        dk = tl.zeros((BC, BK), tl.float32)
+        dq = tl.zeros((BC, BK), tl.float32)  # times exp(G - ref) below
+        dk = tl.zeros((BC, BK), tl.float32)  # times exp(end - G) below
         for j in tl.static_range(BT // BC):
             rows_j = bos + j * BC + t
             valid_j = rows_j < eos
-            if j < i:  # earlier sub-chunks' keys, through r = the first token of sub-chunk i
+            if j < i:  # earlier sub-chunks' keys
                 da = tl.load(da_rows + rows[:, None] * (H * BT) + j * BC, mask=valid[:, None], other=0.0)
                 kj = _load_rows_raw(k_ptr + (h // G) * K, rows_j, valid_j, (H // G) * K, 0, ck, K)
                 gj = _load_rows_raw(gc_ptr + h * K, rows_j, valid_j, H * K, 0, ck, K)
-                dq_in = _dot(_operand(da, kj, PREC), _operand(kj.to(tl.float32) * tl.exp(ref[None, :] - gj), kj,
-                                                              PREC), PREC, dq_in)
-            elif j > i and bos + j * BC < eos:  # later sub-chunks' queries, through their first token r_j
+                dq = _dot(_operand(da, kj, PREC), _operand(kj.to(tl.float32) * tl.exp(ref[None, :] - gj), kj,
+                                                           PREC), PREC, dq)
+            elif j > i and bos + j * BC < eos:  # later sub-chunks' queries
                 da = tl.load(da_rows + rows_j[:, None] * (H * BT) + i * BC, mask=valid_j[:, None], other=0.0)
                 qj = _load_rows_raw(q_ptr + h * K, rows_j, valid_j, H * K, 0, ck, K)
                 gj = _load_rows_raw(gc_ptr + h * K, rows_j, valid_j, H * K, 0, ck, K)
-                ref_j = _row(gc_ptr + h * K, bos + j * BC, eos, H * K, ck, K)
-                q_ref = tl.where(valid_j[:, None], qj.to(tl.float32) * tl.exp(gj - ref_j[None, :]), 0.0)
-                part = _dot(_operand(tl.trans(da), qj, PREC), _operand(q_ref, qj, PREC), PREC)
-                dk += tl.where(valid[:, None], part * tl.exp(ref_j[None, :] - gi), 0.0)
-        dq = tl.where(valid[:, None], dq_in * tl.exp(gi - ref[None, :]), 0.0)
+                q_end = tl.where(valid_j[:, None], qj.to(tl.float32) * tl.exp(gj - end[None, :]), 0.0)
+                dk = _dot(_operand(tl.trans(da), qj, PREC), _operand(q_end, qj, PREC), PREC, dk)
         qf, kf = q.to(tl.float32), k.to(tl.float32)
-        for s in range(BC):  # the diagonal block, one token of it at a time
-            row = bos + i * BC + s
-            k_s = _row(k_ptr + (h // G) * K, row, eos, (H // G) * K, ck, K)
-            q_s = _row(q_ptr + h * K, row, eos, H * K, ck, K)
-            g_s = _row(gc_ptr + h * K, row, eos, H * K, ck, K)
-            da_col = tl.load(da_ptr + rows * (H * BT) + h * BT + i * BC + s, mask=valid & (t >= s), other=0.0)
-            da_row = tl.load(da_ptr + row.to(tl.int64) * (H * BT) + h * BT + i * BC + t,
-                             mask=(t <= s) & (t * 0 + row < eos), other=0.0)
-            later, earlier = (t >= s)[:, None], (t <= s)[:, None]
-            # outside the triangle an exponent could overflow: it is zeroed before the exponential, and the product
-            # dropped after it (0 * NaN)
-            dq += tl.where(later, da_col[:, None] * k_s[None, :] * tl.exp(tl.where(later, gi - g_s[None, :], 0.0)),
-                           0.0)
-            dk += tl.where(earlier, da_row[:, None] * q_s[None, :] * tl.exp(tl.where(earlier, g_s[None, :] - gi, 0.0)),
-                           0.0)
+        if _factors(gi, ref, valid) & _factors(gi, end, valid):  # the diagonal block in fp32 products
+            da = tl.load(da_rows + rows[:, None] * (H * BT) + i * BC, mask=valid[:, None] & (t[:, None] >= t[None, :]),
+                         other=0.0)
+            k_ref = tl.where(valid[:, None], kf * tl.exp(ref[None, :] - gi), 0.0)
+            q_end = tl.where(valid[:, None], qf * tl.exp(gi - end[None, :]), 0.0)
+            dq = tl.where(valid[:, None], tl.dot(da, k_ref, dq, input_precision="tf32x3") * tl.exp(gi - ref[None, :]),
+                          0.0)
+            dk = tl.where(valid[:, None],
+                          tl.dot(tl.trans(da), q_end, dk, input_precision="tf32x3") * tl.exp(end[None, :] - gi), 0.0)
+        else:  # one token of it at a time
+            dq = tl.where(valid[:, None], dq * tl.exp(gi - ref[None, :]), 0.0)
+            dk = tl.where(valid[:, None], dk * tl.exp(end[None, :] - gi), 0.0)
+            for s in range(BC):
+                row = bos + i * BC + s
+                k_s = _row(k_ptr + (h // G) * K, row, eos, (H // G) * K, ck, K)
+                q_s = _row(q_ptr + h * K, row, eos, H * K, ck, K)
+                g_s = _row(gc_ptr + h * K, row, eos, H * K, ck, K)
+                da_col = tl.load(da_ptr + rows * (H * BT) + h * BT + i * BC + s, mask=valid & (t >= s), other=0.0)
+                da_row = tl.load(da_ptr + row.to(tl.int64) * (H * BT) + h * BT + i * BC + t,
+                                 mask=(t <= s) & (t * 0 + row < eos), other=0.0)
+                later, earlier = (t >= s)[:, None], (t <= s)[:, None]
+                # outside the triangle an exponent could overflow: it is zeroed before the exponential, and the
+                # product dropped after it (0 * NaN)
+                dq += tl.where(later, da_col[:, None] * k_s[None, :] * tl.exp(tl.where(later, gi - g_s[None, :], 0.0)),
+                               0.0)
+                dk += tl.where(earlier,
+                               da_row[:, None] * q_s[None, :] * tl.exp(tl.where(earlier, g_s[None, :] - gi, 0.0)), 0.0)
         dq += tl.load(dq_ptr + at, mask=mask, other=0.0)
         dk += tl.load(dk_ptr + at, mask=mask, other=0.0)
         tl.store(dq_out_ptr + at, dq.to(dq_out_ptr.dtype.element_ty), mask=mask)
