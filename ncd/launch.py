@@ -197,6 +197,21 @@ class FastKernel:
             self.cache[key] = (compiled, meta, tail, config.pre_hook if config is not None else None)
 
 
+_SMS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device | None, off_gpu: int) -> int:
+    """Streaming multiprocessors of CUDA `device` (None: the current one), queried once per device (the property
+    call is not free); `off_gpu` where kernels do not run on a GPU (the CPU interpreter), each caller's choice of
+    what its tests should exercise."""
+    if (device is not None and device.type != "cuda") or not torch.cuda.is_available():
+        return off_gpu
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
 _LAUNCHERS: dict = {}
 
 

@@ -49,6 +49,7 @@ from ncd.families.attention.kernel import (
     weight_arg,
 )
 from ncd.launch import fast
+from ncd.launch import sm_count as _sm_count
 
 # When the decode path pays (`use_decode`): at most this many queries per head ...
 DECODE_MAX_QUERIES = 16
@@ -69,17 +70,9 @@ NUM_WARPS, NUM_STAGES = 4, 3  # the split kernel's launch (bench/decode.py --swe
 USE_TMA = False  # K and V by pointers: bulk copies measured no faster (bench/decode.py --sweep)
 CPU_SMS = 132  # the SM count assumed off the GPU (an H100's), so that the interpreter takes the GPU's decisions
 
-_SMS: dict[int, int] = {}
-
-
 def sm_count(device: torch.device | None = None) -> int:
     """Streaming multiprocessors of `device` (the current CUDA device when None); CPU_SMS off CUDA."""
-    if (device is not None and device.type != "cuda") or not torch.cuda.is_available():
-        return CPU_SMS
-    index = torch.cuda.current_device() if device is None or device.index is None else device.index
-    if index not in _SMS:  # queried once per device: the property call is not free
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    return _sm_count(device, CPU_SMS)
 
 
 def use_decode(n_q: int, n_k: int, batch_heads: int, sms: int | None = None) -> bool:

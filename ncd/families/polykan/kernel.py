@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ncd import settings as _settings
-from ncd.launch import BoundKernel
+from ncd.launch import BoundKernel, sm_count
 
 from .config import PolyKANConfig, tiling
 
@@ -438,15 +438,8 @@ class PolyKANHooks:
     lut_pos: Any = None  # LUT mode only
 
 
-_SMS: dict[int, int] = {}
-
-
 def _sms(index: int) -> int:
-    if _INTERPRET:
-        return 4  # small enough that the test sizes split every reduction
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    return 4 if _INTERPRET else sm_count(torch.device("cuda", index), 4)  # 4: the test sizes split every reduction
 
 
 def _stream(index: int) -> int:

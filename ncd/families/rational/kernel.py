@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ncd.launch import fast
+from ncd.launch import fast, sm_count
 from ncd.tuning import autotune
 
 from .config import RationalConfig
@@ -186,16 +186,8 @@ def rational_reduce(PART, OUT, P, G, K: tl.constexpr, K_GROUP: tl.constexpr, GRO
     tl.store(OUT + j, tl.sum(tl.sum(acc, axis=1), axis=0))
 
 
-_SMS: dict[int, int] = {}
-
-
 def _num_sms(device: torch.device) -> int:
-    if _INTERPRET or device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    return 1 if _INTERPRET else sm_count(device, 1)
 
 
 def _strides(params: tuple) -> tuple:

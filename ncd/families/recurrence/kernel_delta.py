@@ -52,6 +52,7 @@ from ncd.families.recurrence.kernel_linear import (
     G_FLOOR,
     _causal,
     _chunk_rows,
+    _flag_sequence,
     _gates,
     _head_dims,
     _operand,
@@ -60,6 +61,7 @@ from ncd.families.recurrence.kernel_linear import (
     precision,
 )
 from ncd.launch import fast as _fast
+from ncd.launch import sm_count
 
 
 @triton.jit
@@ -260,9 +262,9 @@ def _scan(k_ptr, w_ptr, u_ptr, g_ptr, init_ptr, states_ptr, un_ptr, final_ptr, f
           STORE_FINAL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """A [K, BV] column block of the states of one sequence and head, sequential over its chunks: each chunk's
     incoming state S_c is stored, then u = U - W S_c (stored: the output's values) and S = exp(Gc) S_c + (k o
-    exp(Gc - G))^T u. Value columns are independent in the delta rule; the key rows are not (W S_c). Each chunk's
-    u tile is flagged when it holds a non-finite value (flags [chunks, H, tiles]): the output kernel takes its
-    exact path only there."""
+    exp(Gc - G))^T u. Value columns are independent in the delta rule; the key rows are not (W S_c). A sequence
+    whose last state is non-finite has its chunks flagged (flags [chunks, H, tiles], _flag_sequence: a non-finite u
+    entry reaches every later state): the output kernel takes its exact path only there."""
     i_v, nh = tl.program_id(0), tl.program_id(1)
     n, h = nh // H, nh % H
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
@@ -284,10 +286,10 @@ def _scan(k_ptr, w_ptr, u_ptr, g_ptr, init_ptr, states_ptr, un_ptr, final_ptr, f
         u = u - _dot(w, _operand(state, w, PREC), PREC)
         tl.store(un_ptr + rows[:, None] * (H * V) + h * V + cv[None, :], u.to(un_ptr.dtype.element_ty),
                  mask=valid[:, None] & (cv[None, :] < V))
-        tl.store(flags_ptr + (c * H + h) * tl.num_programs(0) + i_v, tl.max(tl.max(((u - u) != 0).to(tl.int32), 1), 0))
         kt = _load_cols(k_ptr + h * K, rows, valid, H * K, ck, K)
         state = _dot(_operand(kt.to(tl.float32) * tl.exp(gtot - gc)[None, :], kt, PREC), _operand(u, kt, PREC),
                      PREC, state * tl.exp(gtot))
+    _flag_sequence(state, flags_ptr, first, last, H, h, tl.num_programs(0), i_v)
     if STORE_FINAL:
         tl.store(final_ptr + nh.to(tl.int64) * K * V + tile, state, mask=tile_mask)
 
@@ -297,9 +299,9 @@ def _output(q_ptr, k_ptr, g_ptr, states_ptr, un_ptr, flags_ptr, o_ptr, chunk_sta
             V, N_FLAGS, GATED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             PREC: tl.constexpr, FLAGS: tl.constexpr):
     """o for one chunk, head and [BV] block of values: scale (exp(G) o (q S_c) + ((q k^T) o D) u), the keys in
-    [BK] blocks. A chunk whose u holds a non-finite entry (from a bad input at or before its row; the scan's flags)
-    takes a separate path: the entry zeroed in the product and NaN from its row on, in its column (0 * NaN would
-    carry it to the chunk's earlier rows)."""
+    [BK] blocks. A chunk of a sequence whose states turn non-finite (the scan's flags) takes a separate path: a
+    non-finite u entry zeroed in the product and NaN from its row on, in its column (0 * NaN would carry it to the
+    chunk's earlier rows)."""
     i_v, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, valid = _chunk_rows(chunk_start_ptr, chunk_end_ptr, c, BT)
     gc, _ = _chunk_gates(g_ptr + h, rows, valid, H, GATED, BT)
@@ -524,6 +526,16 @@ def _column_block(config, V):
     return min(config.scan_tiles[1], max(16, _pow2(V)))
 
 
+def _scan_columns(config, V, sequences_heads, device):
+    """Value columns per forward scan program: _column_block's, halved while the programs would fill at most half
+    of the GPU's multiprocessors (the columns are independent; H100, T 16k: H 8 scan 392 us at 32 columns
+    against 532 at 64, H 16 558 at 64 against 802 at 32; bench/log/2026-11-27-issue33-s5.md)."""
+    bv = _column_block(config, V)
+    while bv > 16 and 2 * sequences_heads * triton.cdiv(V, bv) <= sm_count(device, 132):
+        bv //= 2
+    return bv
+
+
 # Launch shapes: the fastest of the sweeps in bench/log/2026-11-27-issue33.md (H100, T 16k, H 16, D 128). Limits
 # found there: 3 stages need 224-352 KB of shared memory in the scans and the gradients for fp32 operands (the
 # H100 has 227 KB); the gradients kernel at 16 warps reads shared memory out of bounds (Triton 3.6,
@@ -540,12 +552,12 @@ _WU = (64, 4)  # columns per block, warps
 def _scan_pass(config, k, w, u, g, s_init, table, chunk, prec, final):
     first, start, end, n_seq, n_chunks, _ = table
     heads, K, V = k.shape[2], k.shape[3], u.shape[3]
-    bv = _column_block(config, V)
+    bv = _scan_columns(config, V, n_seq * heads, k.device)
     poison = config.poison_outputs
     states = _empty((n_chunks, heads, K, V), _state_dtype(k, prec), k.device, poison)
     un = _empty(u.shape, _state_dtype(k, prec), u.device, poison)
     s_fin = _empty((n_seq, heads, K, V), torch.float32, k.device, poison) if final else states
-    flags = torch.empty((n_chunks, heads, triton.cdiv(V, bv)), dtype=torch.int32, device=k.device)
+    flags = torch.zeros((n_chunks, heads, triton.cdiv(V, bv)), dtype=torch.int32, device=k.device)
     _fast(_scan)[(triton.cdiv(V, bv), n_seq * heads)](
         k, w, u, g if g is not None else u, s_init if s_init is not None else states, states, un, s_fin, flags, first,
         start, end, heads, K, V, GATED=g is not None, HAS_INIT=s_init is not None, STORE_FINAL=final, BT=chunk,
@@ -597,9 +609,13 @@ def backward(config, do, ds_fin, q, k, v, g, b, s_init, cu_seqlens, scale, chunk
     dv = _empty(v.shape, v.dtype, v.device, poison)
     db = _empty(b.shape, torch.float32, b.device, poison)
     dg = _empty(g.shape, torch.float32, g.device, poison) if g is not None else db
+    # fp32 inputs' operands (fp32 tiles, tf32x3 splits) need 256-260 KB of shared memory at 8 warps, over the
+    # H100's 227 KB; 4 warps and 16 columns need 128-224 KB (sm_90, Triton 3.6, K = 128)
+    wide = q.dtype != torch.float32
     _fast(_grads)[(n_chunks, heads)](q, k, v, gate, b, do, inv, first_bad, states, dstates, un, du, dq, dk, dv, db, dg,
                                      start, end, float(scale), heads, K, V, GATED=g is not None, BT=chunk, BK=bk,
-                                     BV=min(32, max(16, _pow2(V))), PREC=prec, num_warps=8, num_stages=1)
+                                     BV=min(32 if wide else 16, max(16, _pow2(V))), PREC=prec,
+                                     num_warps=8 if wide else 4, num_stages=1)
     return dq, dk, dv, (dg.to(g.dtype) if g is not None else None), db.to(b.dtype), ds_init
 
 

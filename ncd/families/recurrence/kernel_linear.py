@@ -86,8 +86,9 @@ def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, flags_ptr
     w = exp(Gc - G), chunks in order, the states the chunks start from. REVERSE (backward): left q, right do,
     w = weight exp(G), last chunk first, starting from dS_N: the gradients of the states the chunks end in; the
     last carry is the initial state's gradient. left and right have H / G heads (G query heads share a key/value
-    head: GQA; the reverse scan's q and do have G = 1). The forward also flags each chunk's non-finite values, per tile
-    (flags [chunks, H, tiles]), so that the output kernel takes its exact path only where they are. KEY_GATES (GLA):
+    head: GQA; the reverse scan's q and do have G = 1). The forward flags the chunks of a sequence whose states turn
+    non-finite, per tile (flags [chunks, H, tiles], _flag_sequence), so that the output kernel takes its exact path
+    only there. KEY_GATES (GLA):
     g_ptr holds the cumulative gates per key [tokens, H, K] (kernel_gla.py), each key row decays by its own."""
     i_tile, nh = tl.program_id(0), tl.program_id(1)
     n, h = nh // H, nh % H
@@ -110,9 +111,6 @@ def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, flags_ptr
             gc, gsum = _gates(g_ptr + h, rows, valid, H)
         lt = _load_cols(left_ptr + (h // G) * K, rows, valid, (H // G) * K, rk, K)
         rgt = _load_rows_raw(right_ptr + (h // G) * V, rows, valid, (H // G) * V, 0, rv, V)
-        if not REVERSE:
-            bad = tl.max(tl.max(((rgt - rgt) != 0).to(tl.int32), 1), 0)
-            tl.store(flags_ptr + (c * H + h) * (tl.cdiv(K, BK) * n_v) + i_tile, bad)
         if KEY_GATES:  # [BK, BT] cumulative gates; the chunk's total is its last token's
             gk = _load_cols(g_ptr + h * K, rows, valid, H * K, rk, K)
             end = tl.minimum(bos + (c - first + 1) * BT, eos) - 1
@@ -122,8 +120,22 @@ def _scan(left_ptr, right_ptr, g_ptr, init_ptr, states_ptr, final_ptr, flags_ptr
         else:
             w = weight * tl.exp(gc) if REVERSE else tl.exp(gsum - gc)
             state = _dot(_operand(lt.to(tl.float32) * w[None, :], lt, PREC), rgt, PREC, state * tl.exp(gsum))
+    if not REVERSE:
+        _flag_sequence(state, flags_ptr, first, last, H, h, tl.num_programs(0), i_tile)
     if STORE_FINAL:
         tl.store(final_ptr + nh.to(tl.int64) * K * V + tile, state, mask=tile_mask)
+
+
+@triton.jit
+def _flag_sequence(state, flags_ptr, first, last, H, h, n_tiles, i_tile):
+    """Flags (zeros beforehand) every chunk of the sequence for the output kernel's exact path when the scan's last
+    state holds a non-finite value. A non-finite value or key makes its own and every later state non-finite (no sum
+    and no product by a decay, even exp(-200) = 0, turns NaN or inf finite again), so a finite last state clears
+    the whole sequence. A check per chunk inside the loop cost 30% of the scan at H 8 (H100, T 16k: 343 us against
+    246; bench/log/2026-11-27-issue33-s5.md)."""
+    if tl.max(tl.max(((state - state) != 0).to(tl.int32), 1), 0) > 0:
+        for c in range(first, last):
+            tl.store(flags_ptr + (c * H + h) * n_tiles + i_tile, 1)
 
 
 @triton.jit
@@ -323,7 +335,7 @@ def _run_scan(config, left, right, g, init, table, chunk, weight, reverse, final
     states = _empty((n_chunks, heads, K, V), _state_dtype(left, prec), left.device, config.poison_outputs)
     out = _empty((n_seq, heads, K, V), torch.float32, left.device, config.poison_outputs) if final else states
     grid = (triton.cdiv(K, bk) * triton.cdiv(V, bv), n_seq * heads)
-    flags = None if reverse else torch.empty((n_chunks, heads, grid[0]), dtype=torch.int32, device=left.device)
+    flags = None if reverse else torch.zeros((n_chunks, heads, grid[0]), dtype=torch.int32, device=left.device)
     _fast(_scan)[grid](left, right, g, init if init is not None else states, states, out,
                        flags if flags is not None else states, first, start, end, float(weight), heads,
                        heads // left.shape[2], K, V, REVERSE=reverse, HAS_INIT=init is not None, STORE_FINAL=final,
