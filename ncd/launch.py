@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 
-from .interpreter import round_bf16_to_nearest
+from .interpreter import round_bf16_to_nearest, skip_repeated_patching
 from .settings import settings
 
-# every kernel module imports this one: the CPU interpreter's bf16 casts rounded as the GPU's (interpreter.py); not at
-# `import ncd`, which must not import Triton (TRITON_INTERPRET is read when the first kernel module loads)
+# every kernel module imports this one: the CPU interpreter's bf16 casts rounded as the GPU's, and its repeated
+# patching skipped (interpreter.py); not at `import ncd`, which must not import Triton (TRITON_INTERPRET is read when
+# the first kernel module loads)
 round_bf16_to_nearest()
+skip_repeated_patching()
 
 
 def _descriptor_type() -> type | None:

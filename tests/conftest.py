@@ -20,30 +20,8 @@ def pytest_configure(config):
     modules import it at collection, after this hook). `pytest -m gpu` on the GPU host compiles them instead: the
     GPU tests exist to catch what the interpreter cannot (shared memory, real tensor-core precisions)."""
     os.environ.setdefault("TRITON_INTERPRET", "0" if config.getoption("markexpr") == "gpu" else "1")
-    if os.environ["TRITON_INTERPRET"] == "1":
-        _skip_repeated_interpreter_patching()
 
 
-def _skip_repeated_interpreter_patching():
-    """Triton's interpreter (3.9) patches triton.language again at every call of a @triton.jit helper inside a
-    kernel (inspect.getmembers over tl, tl.tensor and tl.math, about 1 ms each): half the CPU time of Gated
-    KalmaNet's tests (12.1 s to 6.3 s for one forward and backward). The kernel's launch has already patched
-    the modules a helper sees whenever their builtins are no longer builtins; the call then patches nothing new and
-    is skipped. Any other Triton keeps its own behaviour."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_patch_lang", None)
-    if original is None or not hasattr(interpreter, "_LangPatchScope"):
-        return
-
-    def patch_lang(fn):
-        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
-        if langs and not any(tl.core.is_builtin(lang.dot) for lang in langs):
-            return interpreter._LangPatchScope()
-        return original(fn)
-
-    interpreter._patch_lang = patch_lang
 SPECS = sorted((ROOT / "specs").glob("*.ncd"))
 
 

@@ -44,3 +44,39 @@ def test_bit_rounding_keeps_nan_a_nan_and_is_idempotent():
     nan = torch.from_numpy(bf16_bits([float("nan"), -float("nan")]).view("int16")).view(torch.bfloat16)
     assert torch.isnan(nan.float()).all()
     assert round_bf16_to_nearest() and round_bf16_to_nearest()
+
+
+@triton.jit
+def _twice(x):
+    return x + x
+
+
+@triton.jit
+def _helpers(X, Y, N, CALLS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N, other=0.0)
+    for _ in tl.static_range(CALLS):
+        x = _twice(x) * 0.5
+    tl.store(Y + offs, x + tl.sum(x, 0), mask=offs < N)
+
+
+def test_helper_calls_inside_a_kernel_patch_the_language_once_and_compute_the_same(monkeypatch):
+    """skip_repeated_patching (ncd/interpreter.py): a kernel calling a helper 1 or 8 times patches
+    triton.language as often (at its launch), and computes what it did."""
+    from triton.runtime import interpreter
+
+    from ncd.interpreter import skip_repeated_patching
+
+    assert skip_repeated_patching() and getattr(interpreter._patch_lang, "ncd_skips_repeats", False)
+    calls = []
+    patch_builtin = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: calls.append(1) or patch_builtin(*a))
+    x = torch.randn(37, generator=torch.Generator().manual_seed(0))
+    counts = []
+    for n_calls in (1, 1, 8):  # the first launch may patch a module the first time (tl.sum's), once per process
+        y = torch.full_like(x, float("nan"))
+        calls.clear()
+        _helpers[(1,)](x, y, 37, CALLS=n_calls, BLOCK=64)
+        counts.append(len(calls))
+        assert torch.allclose(y, x + x.sum(), rtol=1e-6, atol=1e-5)
+    assert counts[1] == counts[2] > 0, counts
