@@ -77,6 +77,14 @@ def _sub_chunk(bos, eos, i, BC: tl.constexpr):
 
 
 @triton.jit
+def _sub_chunk_queries(q_ptr, gc_ptr, rows, valid, first, eos, h, H, K, ck):
+    """A sub-chunk's queries and cumulative gates [BC, BK], and the gates of its first token (the reference r)."""
+    q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
+    g = _load_rows_raw(gc_ptr + h * K, rows, valid, H * K, 0, ck, K)
+    return q, g, _row(gc_ptr + h * K, first, eos, H * K, ck, K)
+
+
+@triton.jit
 def _factors(gi, ref, valid):
     """Whether every cumulative gate of the sub-chunk is within SPAN of the reference row: the diagonal block then
     factors through the reference like the blocks below it (exp(+-SPAN) far from fp32's overflow and underflow);
@@ -95,9 +103,7 @@ def _intra_scores(q_ptr, k_ptr, gc_ptr, a_ptr, chunk_start_ptr, chunk_end_ptr, H
     rows, valid = _sub_chunk(bos, eos, i, BC)
     if bos + i * BC < eos:
         ck, t = tl.arange(0, BK), tl.arange(0, BC)
-        q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
-        gq = _load_rows_raw(gc_ptr + h * K, rows, valid, H * K, 0, ck, K)
-        ref = _row(gc_ptr + h * K, bos + i * BC, eos, H * K, ck, K)
+        q, gq, ref = _sub_chunk_queries(q_ptr, gc_ptr, rows, valid, bos + i * BC, eos, h, H, K, ck)
         q_ref = tl.where(valid[:, None], q.to(tl.float32) * tl.exp(gq - ref[None, :]), 0.0)
         out = a_ptr + rows[:, None] * (H * BT) + h * BT + t[None, :]
         for j in tl.static_range(BT // BC):
@@ -180,10 +186,8 @@ def _intra_grads(q_ptr, k_ptr, gc_ptr, da_ptr, dq_ptr, dk_ptr, dq_out_ptr, dk_ou
     rows, valid = _sub_chunk(bos, eos, i, BC)
     if bos + i * BC < eos:
         ck, t = tl.arange(0, BK), tl.arange(0, BC)
-        q = _load_rows_raw(q_ptr + h * K, rows, valid, H * K, 0, ck, K)
+        q, gi, ref = _sub_chunk_queries(q_ptr, gc_ptr, rows, valid, bos + i * BC, eos, h, H, K, ck)  # ref: dq's
         k = _load_rows_raw(k_ptr + (h // G) * K, rows, valid, (H // G) * K, 0, ck, K)
-        gi = _load_rows_raw(gc_ptr + h * K, rows, valid, H * K, 0, ck, K)
-        ref = _row(gc_ptr + h * K, bos + i * BC, eos, H * K, ck, K)  # dq's reference: i's first token
         end = _row(gc_ptr + h * K, tl.minimum(bos + i * BC + BC, eos) - 1, eos, H * K, ck, K)  # dk's: i's last
         at = rows[:, None] * (H * K) + h * K + ck[None, :]
         mask = valid[:, None] & (ck[None, :] < K)
