@@ -21,7 +21,7 @@ from ncd.families.recurrence.reference import naive_simple_gla
 from ncd.ops import chunk_gla, recurrent_gla, shipped_spec
 
 from .conftest import ROOT
-from .test_linear_scan import refusal, rms_ratio, with_grads
+from .test_linear_scan import assert_gqa_equals_repeated, gqa_spec, refusal, rms_ratio, with_grads
 
 K, V = 20, 12
 BASE = (ROOT / "specs" / "gla.ncd").read_text()
@@ -109,32 +109,19 @@ def test_non_finite_inputs_are_non_finite_exactly_where_the_recurrence_is(gla_op
         assert (~torch.isfinite(ours) | torch.isfinite(theirs)).all()
 
 
-GQA = BASE.replace("axis batch, time, head", "axis batch, time, kvhead, qgroup\naxis head = kvhead * qgroup").replace(
-    "in  k[batch time head kdim]", "in  k[batch time kvhead kdim]").replace(
-    "in  v[batch time head vdim]", "in  v[batch time kvhead vdim]")
+GQA = gqa_spec(BASE)
 
 
 def test_gqa_keys_and_values_are_shared_by_their_group_of_query_heads(gla_op, tmp_path):
     """k, v on kvhead: query head h reads key/value head h // qgroup, each with gates of its own; output, final
     state and gradients equal the op's on repeated keys and values, dk and dv summed over each group."""
-    assert GQA.count("kvhead") == 4
     spec = tmp_path / "gla_gqa.ncd"
     spec.write_text(GQA)
     op = ncd.load(spec, sizes={"kdim": K, "vdim": V}, cache_dir=tmp_path / "cache")
     q, k, v, g = draw(B=1, T=40, H=4, seed=8, kv_heads=2)
     s0 = torch.randn(1, 4, K, V) * 0.1
-    do, dfin = torch.randn((*q.shape[:3], V)), torch.randn(s0.shape)
-
-    def repeated(*t):
-        return gla_op.module.chunk(t[0], t[1].repeat_interleave(2, 2), t[2].repeat_interleave(2, 2), t[3],
-                                   initial_state=t[4], output_final_state=True, chunk_size=32)
-
-    want = with_grads(repeated, (q, k, v, g, s0), (do, dfin))
-    got = with_grads(lambda *t: op.module.chunk(*t[:4], initial_state=t[4], output_final_state=True, chunk_size=32),
-                     (q, k, v, g, s0), (do, dfin))
-    assert got[3].shape == k.shape and got[4].shape == v.shape
-    for a, b in zip(got, want, strict=True):
-        assert rms_ratio(a, b) < 1e-6
+    assert_gqa_equals_repeated(op, gla_op, (q, k, v, g, s0), (torch.randn((*q.shape[:3], V)), torch.randn(s0.shape)),
+                               group=2, chunk=32)
 
 
 def test_the_layer_trains_uses_the_compiled_core_and_survives_pickle(tmp_path, monkeypatch):

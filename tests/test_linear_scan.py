@@ -245,34 +245,45 @@ def test_head_first_inputs_run_as_sequences_of_one_head(gla_op, tmp_path, run_cl
     assert code == 0 and "ok   numerics" in out, out + err
 
 
-GQA = BASE.replace("axis batch, time, head", "axis batch, time, kvhead, qgroup\naxis head = kvhead * qgroup").replace(
-    "in  k[batch time head kdim]", "in  k[batch time kvhead kdim]").replace(
-    "in  v[batch time head vdim]", "in  v[batch time kvhead vdim]")
+def gqa_spec(base: str) -> str:
+    """`base` with `axis head = kvhead * qgroup` and k, v on kvhead."""
+    text = base.replace("axis batch, time, head", "axis batch, time, kvhead, qgroup\naxis head = kvhead * qgroup")
+    text = text.replace("in  k[batch time head kdim]", "in  k[batch time kvhead kdim]")
+    text = text.replace("in  v[batch time head vdim]", "in  v[batch time kvhead vdim]")
+    assert text.count("kvhead") == 4
+    return text
+
+
+def assert_gqa_equals_repeated(op, plain_op, inputs, cotangents, group, chunk):
+    """op (keys and values on kvhead) against plain_op on keys and values repeated per query head: output, final
+    state and every gradient (dk, dv the group sums), inputs (q, k, v, g, s0)."""
+    def repeated(*t):
+        return plain_op.module.chunk(t[0], t[1].repeat_interleave(group, 2), t[2].repeat_interleave(group, 2), t[3],
+                                     initial_state=t[4], output_final_state=True, chunk_size=chunk)
+
+    want = with_grads(repeated, inputs, cotangents)
+    got = with_grads(lambda *t: op.module.chunk(*t[:4], initial_state=t[4], output_final_state=True,
+                                                chunk_size=chunk), inputs, cotangents)
+    assert got[3].shape == inputs[1].shape and got[4].shape == inputs[2].shape
+    for a, b in zip(got, want, strict=True):
+        assert rms_ratio(a, b) < 1e-6
+
+
+GQA = gqa_spec(BASE)
 
 
 def test_gqa_keys_and_values_are_shared_by_their_group_of_query_heads(gla_op, tmp_path, run_cli):
     """`axis head = kvhead * qgroup` with k, v on kvhead: query head h reads key/value head h // qgroup, with no
     copies; the output and final state equal the op's on repeated keys and values, and dk, dv are the group sums
     of its gradients; decoding too; `ncd check` validates the spec."""
-    assert GQA.count("kvhead") == 4
     spec = tmp_path / "gla_gqa.ncd"
     spec.write_text(GQA)
     op = ncd.load(spec, sizes={"kdim": K, "vdim": V}, cache_dir=tmp_path / "cache")
     q, _, _, g = draw(B=2, T=40, H=6, seed=8)
     _, k, v, _ = draw(B=2, T=40, H=2, seed=9)  # 2 key/value heads, 3 query heads each
     s0 = torch.randn(2, 6, K, V) * 0.1
-    do, dfin = torch.randn((*q.shape[:3], V)), torch.randn(s0.shape)
-
-    def repeated(*t):
-        return gla_op.module.chunk(t[0], t[1].repeat_interleave(3, 2), t[2].repeat_interleave(3, 2), t[3],
-                                   initial_state=t[4], output_final_state=True, chunk_size=16)
-
-    want = with_grads(repeated, (q, k, v, g, s0), (do, dfin))
-    got = with_grads(lambda *t: op.module.chunk(*t[:4], initial_state=t[4], output_final_state=True, chunk_size=16),
-                     (q, k, v, g, s0), (do, dfin))
-    assert got[3].shape == k.shape and got[4].shape == v.shape
-    for a, b in zip(got, want, strict=True):
-        assert rms_ratio(a, b) < 1e-6
+    assert_gqa_equals_repeated(op, gla_op, (q, k, v, g, s0), (torch.randn((*q.shape[:3], V)), torch.randn(s0.shape)),
+                               group=3, chunk=16)
     with torch.no_grad():
         one, state = op.module.recurrent(q[:, :1], k[:, :1], v[:, :1], g[:, :1], initial_state=s0)
         want_one, want_state = gla_op.module.recurrent(q[:, :1], k[:, :1].repeat_interleave(3, 2),
