@@ -53,7 +53,8 @@ class Settings:
     debug: bool  # NCD_DEBUG: show Python tracebacks for internal errors
     cache_dir: Path  # NCD_CACHE_DIR: where compiled ops are cached (absolute; default_cache_root() when unset)
     attention_factorize: str  # NCD_ATTENTION_FACTORIZE: auto (cost model) | always | never
-    gka_dot_precision: str | None = None  # NCD_GKA_DOT_PRECISION: fp16 | tf32 | tf32x3 | ieee | bf16 (default by dtype)
+    # NCD_GKA_DOT_PRECISION: fp16x3 | fp16 | tf32 | tf32x3 | ieee | bf16 (None: by dtype)
+    gka_dot_precision: str | None = None
     gka_grad_precision: str | None = None  # NCD_GKA_GRAD_PRECISION: fp16x3 (default) | tf32x3 | tf32 | ieee
     # NCD_ATTENTION_DS_BUFFER_BYTES: the largest dS buffer the attention backward may allocate to skip
     # recomputing S and dP in its dQ kernel (0: never); None keeps the generated module's default (4 GiB)
@@ -76,7 +77,7 @@ class Settings:
         factorize = os.environ.get("NCD_ATTENTION_FACTORIZE", "auto").strip().lower()
         if factorize not in ("auto", "always", "never"):
             raise ValueError(f"NCD_ATTENTION_FACTORIZE must be auto, always or never, not {factorize!r}")
-        precision = _choice("NCD_GKA_DOT_PRECISION", ("fp16", "tf32", "tf32x3", "ieee", "bf16"))
+        precision = _choice("NCD_GKA_DOT_PRECISION", ("fp16x3", "fp16", "tf32", "tf32x3", "ieee", "bf16"))
         grad_precision = _choice("NCD_GKA_GRAD_PRECISION", ("fp16x3", "tf32x3", "tf32", "ieee"))
         return cls(verify=_flag("NCD_VERIFY", True), debug=_flag("NCD_DEBUG", False), cache_dir=cache,
                    attention_factorize=factorize, gka_dot_precision=precision, gka_grad_precision=grad_precision,

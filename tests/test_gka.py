@@ -310,15 +310,18 @@ def test_output_value_column_blocks_agree_with_one_block(gka_op, gka_module):
     assert rms_ratio(two_blocks, one_block) <= 1e-6
 
 
-def test_bf16_inputs_scan_with_bf16_products_within_the_bf16_limits(gka_op, monkeypatch):
-    """bf16 inputs: the forward's state scans multiply bf16 operands (the keys or values exactly, the weighted keys
-    rounded); the backward recomputes its states with TF32 products. Output, final states and gradients against
-    the float64 recurrence on the same bf16 inputs, within the bf16 limits the plan states."""
-    by_dtype = gka_op.with_config(dot_precision=None).module
+def test_fp16_products_scan_bf16_inputs_with_bf16_products_within_the_bf16_limits(gka_op, monkeypatch):
+    """bf16 inputs with the fast fp16 products (dot_precision "fp16"): the forward's state scans multiply bf16
+    operands (the keys or values exactly, the weighted keys rounded); the backward recomputes its states with TF32
+    products. Output, final states and gradients against the float64 recurrence on the same bf16 inputs, within the
+    bf16 limits the plan states (at these slow gates; tests/test_gka_trust.py has the fast ones). The default
+    (fp16x3) splits the scans' operands as well."""
+    assert kernels.scan_precision(gka_op.with_config(dot_precision=None).module.CONFIG, torch.bfloat16) == "fp16x3"
+    by_dtype = gka_op.with_config(dot_precision="fp16").module
     q, k, v, g, b, a = draw(T=53)
     inputs = [t.bfloat16() for t in (q, k, v)] + [g, b.bfloat16(), a.bfloat16()]
     assert kernels.scan_precision(by_dtype.CONFIG, torch.bfloat16) == "bf16"
-    assert kernels.scan_precision(by_dtype.CONFIG, torch.float32) == "ieee"  # fp32 inputs: fp32 products
+    assert kernels.scan_precision(gka_op.with_config(dot_precision=None).module.CONFIG, torch.float32) == "ieee"
     o, grads = _forward_and_grads(with_alpha(by_dtype.chunk, chunk_size=16), inputs)
     ref, ref_grads = _forward_and_grads(naive_gka, f64(inputs))
     bound = _tolerances("bfloat16")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-DOT_PRECISIONS = ("fp16", "tf32", "tf32x3", "ieee", "bf16")
+DOT_PRECISIONS = ("fp16", "fp16x3", "tf32", "tf32x3", "ieee", "bf16")
 GRAD_PRECISIONS = ("fp16x3", "tf32x3", "tf32", "ieee")
 
 
@@ -22,7 +22,7 @@ class RecurrenceConfig:
     chunk: int = 64  # tokens per chunk: the op's default chunk_size
     ridge_offset: float = 0.0  # lambda_t = ridge ||H_t||_F + ridge_offset: the op's default (the spec's constant)
     # Operand precision of the in-kernel products (accumulation is always fp32). None: by input dtype ("ieee" for
-    # fp32 inputs, scaled "fp16" for 16-bit ones; kernel.py's solve_precision). Or one of
+    # fp32 inputs, split "fp16x3" for 16-bit ones; kernel.py's solve_precision). Or one of
     # DOT_PRECISIONS everywhere. NCD_GKA_DOT_PRECISION fills it (with_settings) when None.
     dot_precision: str | None = None
     # The backward's accumulation kernels: None is "fp16x3" (or dot_precision where that names one precision
@@ -55,7 +55,7 @@ class RecurrenceConfig:
                        grad_precision=self.grad_precision or current.gka_grad_precision)
 
     def describe(self) -> list[str]:
-        by_dtype = "by input dtype (fp32: ieee, 16-bit: scaled fp16; NCD_GKA_DOT_PRECISION overrides)"
+        by_dtype = "by input dtype (fp32: ieee, 16-bit: fp16x3; NCD_GKA_DOT_PRECISION overrides)"
         return [
             "config:",
             f"  iterations {self.iterations}, ridge {self.ridge:g}, ridge offset {self.ridge_offset:g}, "

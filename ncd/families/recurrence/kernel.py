@@ -13,10 +13,11 @@ backward(config, hooks, ...) -> gradients of q, k, v, g, gk, beta, alpha and the
 Shapes follow fla: q, k [B, T, H, K], v [B, T, H, V], g, gk, beta, alpha [B, T, H] (natural-log gates, g <= 0; gk
 None: g gates both states);
 states (H [N, H, K, K], S [N, H, K, V]) in fp32; `cu_seqlens` packs N sequences into B = 1.
-All accumulation is fp32. By default the solve, output and norm kernels multiply scaled fp16 operands for 16-bit
-inputs (the forward's chunk states are stored that way: fp16 tiles over power-of-two scales) and fp32 ones for
-fp32 inputs, the forward's scans bf16 ones for bf16 inputs (TF32 otherwise), and the backward fp16x3 ones (split
-operands; config.dot_precision, config.grad_precision).
+All accumulation is fp32. By default the solve, output and norm kernels multiply fp16x3 products (fp32 operands
+split into two fp16 halves) for 16-bit inputs and fp32 ones for fp32 inputs (solve_precision says why not one fp16
+product), the forward's scans bf16 ones for bf16 inputs (TF32 otherwise), and the backward fp16x3 ones
+(config.dot_precision, config.grad_precision). With dot_precision "fp16" the forward's chunk states are stored as
+fp16 tiles over power-of-two scales.
 
 The recurrence, per (sequence, head), t along time (S is the spec's U transposed: [key, value], fla's layout):
     H_t = exp(gk_t) H_(t-1) + kb_t kb_t^T,  S_t = exp(g_t) S_(t-1) + kb_t vb_t^T,  kb = k KEY_SCALE(beta),
@@ -66,21 +67,28 @@ class RecurrenceHooks:
 
 
 def solve_precision(config: RecurrenceConfig, dtype: torch.dtype) -> str:
-    """Precision follows the inputs: scaled fp16 products (10-bit mantissas) for 16-bit inputs, whose own rounding
-    is coarser; fp32 products for fp32 inputs, whose first tokens the fp16 products put 7-27% off (the solve's
-    sensitivity ~ 2^-11 / ridge). "ieee", not "tf32x3": at K = 128 the solve's 3xTF32 operands need 256 KB of
-    shared memory, over the H100's 227 KB. config.dot_precision overrides both. "fp16": the solve and its output
-    epilogue scale their operands into range (rows of the iterate by lambda_t / max|rhs_t|, key tiles by their
-    largest entry, state tiles by the scans' power-of-two scales) and round them to fp16, which keeps TF32's
-    10-bit mantissa at twice TF32's tensor-core rate; so does the norm's Gram term. "bf16" is the official
-    kernels' operands (about 2e-2 relative change in o; bench/log/2026-11-20-to-22.md)."""
+    """The solve's products (and its output epilogue's and the norm's): "fp16x3" for 16-bit inputs (fp32 operands
+    split into two scaled fp16 halves, three products: about fp32 accuracy at fp16's tensor-core rate), "ieee" for
+    fp32 inputs. config.dot_precision overrides both.
+    Why not one fp16 or TF32 product (10-bit mantissas): the solve is unstable under them. The iterate x_t is
+    dominated by q's component outside the span of the keys, q_perp / lambda_t, and the output reads only its
+    component along them. One rounding of x (relative 2^-11) then moves that component by about 2^-11 / ridge
+    relative to |q_perp| / |q_par|: wherever H_t has low effective rank (a sequence's first tokens, fast-forgetting
+    gates) the output is far off, while the recurrence itself is not sensitive there (bf16-sized changes of q or k
+    move o by <= 3e-2). Measured against the float64 recurrence on the same bf16 inputs (H100, B 1, T 256, D 128,
+    bench/log/2026-11-27-issue33-s6.md): g = logsigmoid(N(0, 1)) gave "fp16" 3.2e-2 RMS and a token 102% off,
+    "fp16x3" 1.7e-3 RMS and 2.2e-3 at the worst token. "fp16" stays as an option (config dot_precision) for slow
+    gates, where its error is 4e-3 RMS with the first tokens up to 10% off. "tf32x3" needs 256 KB of shared memory
+    at K = 128, over the H100's 227 KB. "bf16" is the official kernels' operands."""
     if config.dot_precision:
         return config.dot_precision
-    return "fp16" if dtype in (torch.bfloat16, torch.float16) else "ieee"
+    return "fp16x3" if dtype in (torch.bfloat16, torch.float16) else "ieee"
 
 
 def plain_precision(config: RecurrenceConfig, dtype: torch.dtype) -> str:
-    """The kernels without operand scaling (scans, norm): TF32 where the solve runs scaled fp16."""
+    """The kernels without operand scaling (scans, norm): TF32 where the solve runs scaled fp16. With "fp16x3" the
+    scans split their operands too: a chunk state from bf16-rounded weighted keys, x H_0 with x's large component
+    outside the keys' span, put dv and dalpha 4e-2 off at the worst token (TRITON_INTERPRET, fast-forgetting gates)."""
     prec = solve_precision(config, dtype)
     return "tf32" if prec == "fp16" else prec
 

@@ -137,7 +137,7 @@ class RecurrencePlan:
             f"  scalings: kb = {r.k} * ({self.key_scale}),  vb = {r.v} * ({self.value_scale})  [bt = {r.beta}]",
             "chunked form (chunk C; G = cumulative log gate inside a chunk; D[t, s] = exp(G_t - G_s) for s <= t):",
             "  pass 1 (sequential over chunks, both states in one launch): chunk-start states H_0 [K, K], S_0 = U_0^T"
-            " [K, V] (fp16 tiles over power-of-two scales for the default fp16 products, else fp32); the H scan also"
+            " [K, V] (fp16 tiles over power-of-two scales for the fp16 products, else fp32); the H scan also"
             " emits kb^T H_0 kb and ||H_0||^2 for the norm",
             "  pass 2 (parallel over chunks): H_t x = exp(G_t) H_0 x + ((x Kb^T) o D) Kb   (H_t never formed)",
             "    ||H_t||^2 = exp(2 G_t) ||H_0||^2 + 2 exp(G_t) rowsum(D diag(kb^T H_0 kb)) + rowsum(D o (D (G o G))),"
