@@ -151,8 +151,7 @@ def _dot(a, b, PREC: tl.constexpr, acc=None):
         elif _is16(b):
             out = tl.dot(a_hi, b_hi, tl.dot(a_lo, b_hi) * (1.0 / 2048.0)) * (sa * sb)
         else:
-            cross = tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo))
-            out = tl.dot(a_hi, b_hi, cross * (1.0 / 2048.0)) * (sa * sb)
+            out = _split_product(a_hi, a_lo, b_hi, b_lo) * (sa * sb)
         if acc is not None:
             out += acc
         return out
@@ -166,6 +165,22 @@ def _is16(a):
     significant bits fit fp16's 11; only entries below 2^-17 of the tile's largest round, by at most 2^-25 of
     it, finer than the split's 2^-23), so _fp16_split's low half is zero."""
     return a.dtype == tl.bfloat16 or a.dtype == tl.float16
+
+
+@triton.jit
+def _split_product(a_hi, a_lo, b_hi, b_lo, acc=None):
+    """acc + (a_hi + a_lo / 2048) @ (b_hi + b_lo / 2048), the lo x lo product dropped (_fp16_split's halves)."""
+    cross = tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo)) * (1.0 / 2048.0)
+    if acc is not None:
+        cross += acc
+    return tl.dot(a_hi, b_hi, cross)
+
+
+@triton.jit
+def _halves(u):
+    """u = hi + lo / 2048 with hi, lo fp16, for |u| well inside fp16's range (the caller scales)."""
+    hi = u.to(tl.float16)
+    return hi, ((u - hi.to(tl.float32)) * 2048.0).to(tl.float16)
 
 
 @triton.jit
@@ -341,7 +356,10 @@ def _chebyshev(rhs, kb, h0, h0_s, eg, dm, lam, step0, rho2, n_iter, PREC: tl.con
     |x_t| <= 2 |rhs_t| / lam_t (a Chebyshev polynomial on [mu, L] with mu = lam_t), so their entries stay below
     2 sqrt(K). d is held as fp16 at the same scale: its rounding error shrinks with it as the iteration converges,
     and the solve, which spills at 255 registers, keeps half a tile fewer live (norm + solve 3-6% faster on an
-    H200, bench/log/2026-11-20-to-22.md). With PREC "fp16", h0 comes as the fp16 operand H_0 / h0_s (_state_operand)."""
+    H200, bench/log/2026-11-20-to-22.md). With PREC "fp16", h0 comes as the fp16 operand H_0 / h0_s (_state_operand).
+    PREC "fp16x3": the same scales, every operand as two fp16 halves (three products each); splitting them once
+    here instead of per product (_dot) took the forward from 11.1 to 8.8 ms (T 8192, r 30; fp16 2.5; H100,
+    bench/log/2026-11-27-issue33-s6.md)."""
     if PREC == "fp16":
         # the matvec of x * row against kb / kb_s (twice) and H_0 / h0_s; the factors h0_s and kb_s^2 go into eg and
         # dm over the larger of them, so both terms share one accumulator and neither leaves fp16's range. The
@@ -354,6 +372,18 @@ def _chebyshev(rhs, kb, h0, h0_s, eg, dm, lam, step0, rho2, n_iter, PREC: tl.con
         row = tl.where(row > 0, row, 1.0)
         unscale = common / row
         inv_row = 1.0 / row
+    elif PREC == "fp16x3":
+        # the operands split into fp16 halves once (keys, H_0) or once per step (x, the scores), at the fp16 path's
+        # scales: x * row has entries below 2 sqrt(K), the scores below 2 K, so no reduction per step
+        kb_hi, kb_lo, kb_s = _fp16_split(kb)
+        kbt_hi, kbt_lo = tl.trans(kb_hi), tl.trans(kb_lo)
+        h0_hi, h0_lo, h0_s = _fp16_split(h0)
+        common = tl.maximum(h0_s, kb_s * kb_s)
+        eg = eg * (h0_s / common)
+        dm = dm * (kb_s * kb_s / common)
+        row = lam / _row_scale(rhs)
+        row = tl.where(row > 0, row, 1.0)
+        unscale = common / row
     x = step0[:, None] * rhs
     if PREC == "fp16":  # noqa: SIM108
         d = (x * row[:, None]).to(tl.float16)
@@ -365,6 +395,12 @@ def _chebyshev(rhs, kb, h0, h0_s, eg, dm, lam, step0, rho2, n_iter, PREC: tl.con
         if PREC == "fp16":
             hx = _matvec(x * row[:, None], kb, h0, eg, dm, PREC) * unscale[:, None]
             d_prev = d.to(tl.float32) * inv_row[:, None]
+        elif PREC == "fp16x3":
+            x_hi, x_lo = _halves(x * row[:, None])
+            p_hi, p_lo = _halves(_split_product(x_hi, x_lo, kbt_hi, kbt_lo) * dm)
+            inter = _split_product(x_hi, x_lo, h0_hi, h0_lo) * eg[:, None]
+            hx = _split_product(p_hi, p_lo, kb_hi, kb_lo, inter) * unscale[:, None]
+            d_prev = d
         else:
             hx = _matvec(x, kb, h0, eg, dm, PREC)
             d_prev = d
