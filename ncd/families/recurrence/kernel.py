@@ -347,6 +347,19 @@ def _matvec(x, kb, h0, eg, dm, PREC: tl.constexpr):
 
 
 @triton.jit
+def _matvec_scales(rhs, lam, eg, dm, h0_s, kb_s):
+    """The scales of the 16-bit matvec of x * row against kb / kb_s (twice) and H_0 / h0_s: the factors h0_s and
+    kb_s^2 go into eg and dm over the larger of them, so both terms share one accumulator and neither leaves fp16's
+    range; the scores are then (x * row) . (kb / kb_s), at most 2 K. Returns eg, dm, row and the rows' unscale."""
+    common = tl.maximum(h0_s, kb_s * kb_s)
+    eg = eg * (h0_s / common)
+    dm = dm * (kb_s * kb_s / common)
+    row = lam / _row_scale(rhs)
+    row = tl.where(row > 0, row, 1.0)
+    return eg, dm, row, common / row
+
+
+@triton.jit
 def _chebyshev(rhs, kb, h0, h0_s, eg, dm, lam, step0, rho2, n_iter, PREC: tl.constexpr):
     """n_iter Chebyshev steps on (H_t + lam_t I) x = rhs_t for all tokens at once (papers/gated-kalmanet.txt,
     Algorithm 1 with omega_0 = 2); rows are independent, rho2 [BT] is each row's squared rate. Written as
@@ -361,16 +374,8 @@ def _chebyshev(rhs, kb, h0, h0_s, eg, dm, lam, step0, rho2, n_iter, PREC: tl.con
     here instead of per product (_dot) took the forward from 11.1 to 8.8 ms (T 8192, r 30; fp16 2.5; H100,
     bench/log/2026-11-27-issue33-s6.md)."""
     if PREC == "fp16":
-        # the matvec of x * row against kb / kb_s (twice) and H_0 / h0_s; the factors h0_s and kb_s^2 go into eg and
-        # dm over the larger of them, so both terms share one accumulator and neither leaves fp16's range. The
-        # intermediate scores are then (x * row) . (kb / kb_s): at most 2 K
         kb, kb_s = _fp16_tile(kb)
-        common = tl.maximum(h0_s, kb_s * kb_s)
-        eg = eg * (h0_s / common)
-        dm = dm * (kb_s * kb_s / common)
-        row = lam / _row_scale(rhs)
-        row = tl.where(row > 0, row, 1.0)
-        unscale = common / row
+        eg, dm, row, unscale = _matvec_scales(rhs, lam, eg, dm, h0_s, kb_s)
         inv_row = 1.0 / row
     elif PREC == "fp16x3":
         # the operands split into fp16 halves once (keys, H_0) or once per step (x, the scores), at the fp16 path's
@@ -378,12 +383,7 @@ def _chebyshev(rhs, kb, h0, h0_s, eg, dm, lam, step0, rho2, n_iter, PREC: tl.con
         kb_hi, kb_lo, kb_s = _fp16_split(kb)
         kbt_hi, kbt_lo = tl.trans(kb_hi), tl.trans(kb_lo)
         h0_hi, h0_lo, h0_s = _fp16_split(h0)
-        common = tl.maximum(h0_s, kb_s * kb_s)
-        eg = eg * (h0_s / common)
-        dm = dm * (kb_s * kb_s / common)
-        row = lam / _row_scale(rhs)
-        row = tl.where(row > 0, row, 1.0)
-        unscale = common / row
+        eg, dm, row, unscale = _matvec_scales(rhs, lam, eg, dm, h0_s, kb_s)
     x = step0[:, None] * rhs
     if PREC == "fp16":  # noqa: SIM108
         d = (x * row[:, None]).to(tl.float16)
