@@ -269,3 +269,17 @@ def test_attention_draws_aim_at_their_score_range(tmp_path):
         # rows must not saturate for the relative errors to mean anything
         assert torch.equal(again["Q"][:, :, 0::2], drawn["Q"][:, :, 0::2] * factor)
         assert torch.equal(again["Q"][:, :, 1::2], drawn["Q"][:, :, 1::2])
+
+
+def test_fast_forgetting_gates_catch_an_unstable_gka_solve(tmp_path, monkeypatch):
+    """bf16 inputs with gates logsigmoid(N(0, 1)): the states keep few keys, where one fp16 product per operand pair
+    put GKA's tokens up to 100% off (kernel.py's solve_precision). `ncd check` passes the default split products and
+    fails the same op when 16-bit inputs are given the single fp16 products."""
+    from ncd.families.recurrence import kernel as kernels
+
+    clean = _load("gka", tmp_path, kdim=16, vdim=12)
+    assert all(r.ok for r in _run(clean, "chunk 16", "fast gates", torch.bfloat16))
+    by_dtype = kernels.solve_precision
+    monkeypatch.setattr(kernels, "solve_precision",
+                        lambda config, dtype: "fp16" if dtype == torch.bfloat16 else by_dtype(config, dtype))
+    assert not all(r.ok for r in _run(clean, "chunk 16", "fast gates", torch.bfloat16))

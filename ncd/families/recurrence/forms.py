@@ -1,5 +1,6 @@
 """What `ncd check` runs for the gated recurrence: chunk sizes, packed sequences (cu_seqlens), initial state,
-decoding from a prefill's state, gates at 0 and -30, and the delta rule's writing strengths at 0 and 1."""
+decoding from a prefill's state, gates at 0 and -30, fast-forgetting gates at 16 bits, and the delta rule's writing
+strengths at 0 and 1."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ class RecurrenceForms(Forms):
     `initial_state`/`output_final_state`, and decoding (`recurrent`, forward only) from a chunked prefill's state,
     one token and then the rest, each on a twin compiled with small head dims (the same generated code; the
     interpreter's cost grows with K x K states); gates at exactly 0 and far below, and the delta rule's writing
-    strengths at 0 and 1; bf16. Head-first specs slice time on their third axis and skip packing; a GQA split of
-    the heads runs two query heads on one key/value head."""
+    strengths at 0 and 1; bf16, with the layers' slow gates and with fast-forgetting ones (logsigmoid(N(0, 1)):
+    the states keep few keys, where one 10-bit product per operand pair left GKA's solve tokens 100% off).
+    Head-first specs slice time on their third axis and skip packing; a GQA split of the heads runs two query
+    heads on one key/value head."""
 
     default_form = "chunk default"
     TWIN_KDIM, TWIN_VDIM = 16, 12
@@ -44,9 +47,10 @@ class RecurrenceForms(Forms):
                Case("state", "normal", FP32, True)]
         if self._time_dim() == 2:  # packing runs along time in fla's layout only
             out = [c for c in out if c.form != "cu_seqlens"]
-        # decoding last: the earlier cases keep their indices, so a seed draws what it drew before
-        return out + [Case("chunk 16", "normal", d, True) for d in dtypes if d != FP32] + [
-            Case("decode", "normal", FP32, True)]
+        # new cases last: the earlier cases keep their indices, so a seed draws what it drew before
+        low = [d for d in dtypes if d != FP32]
+        fast = [Case("chunk 16", "fast gates", d, True) for d in low if self._gates()]
+        return out + [Case("chunk 16", "normal", d, True) for d in low] + [Case("decode", "normal", FP32, True)] + fast
 
     def op_for(self, case: Case) -> Op:
         if not case.small:
@@ -71,6 +75,10 @@ class RecurrenceForms(Forms):
 
     def draw(self, case: Case, inputs: dict[str, torch.Tensor], generator: torch.Generator | None
              ) -> dict[str, torch.Tensor]:
+        if case.draw == "fast gates":
+            fast = {name: torch.nn.functional.logsigmoid(torch.randn(inputs[name].shape, generator=generator))
+                    for name in self._gates()}
+            return {**inputs, **{name: g.to(inputs[name].device, inputs[name].dtype) for name, g in fast.items()}}
         if case.draw != "gates":
             return inputs
         lead = (slice(None),) * self._time_dim()
@@ -79,7 +87,7 @@ class RecurrenceForms(Forms):
             beta[(*lead, slice(2, None, 5))] = 0.0
             beta[(*lead, slice(4, None, 5))] = 1.0
             inputs = {**inputs, self.plan.roles.beta: beta}
-        for name in {self.plan.roles.g, getattr(self.plan.roles, "gk", None)} - {None}:
+        for name in self._gates():
             g = inputs[name].clone()
             if g.dim() == 1:  # a gate per head: the first without decay, the last (of two or more) almost a reset
                 g[-1] = -30.0  # (alone, its gradient would be a sum of terms cancelling to ~1e-13: fp32 noise)
@@ -89,6 +97,9 @@ class RecurrenceForms(Forms):
                 g[(*lead, slice(1, None, 7))] = -30.0  # an almost complete reset
             inputs = {**inputs, name: g}
         return inputs
+
+    def _gates(self) -> set[str]:
+        return {self.plan.roles.g, getattr(self.plan.roles, "gk", None)} - {None}
 
     def _kwargs(self, leaves: dict[str, torch.Tensor], part: slice = slice(None)) -> dict[str, object]:
         r = self.plan.roles

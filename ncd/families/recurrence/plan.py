@@ -193,36 +193,43 @@ class RecurrencePlan:
                 out[optional] = torch.sigmoid(inputs[optional].float()).to(inputs[optional].dtype)
         return out
 
-    # 16-bit inputs (and NCD_GKA_DOT_PRECISION fp16, bf16 or tf32) multiply 10-bit-mantissa operands (scaled
-    # fp16 in the solve), and the solve's sensitivity to that rounding is about 2^-11 / ridge (kappa <= 1 + 1 /
-    # ridge), reached on a sequence's first tokens. fp32 inputs get fp32 products ("ieee") by default: their
-    # error is the fp32 rounding's, 2^-24 / ridge, with a margin (measured per token on the interpreter: o 2e-5,
-    # gradients up to 2.3e-4 for dg, whose reverse sum cancels).
+    # One 10-bit-mantissa product per operand pair (NCD_GKA_DOT_PRECISION fp16, bf16 or tf32; fp32 inputs with
+    # those too) leaves the solve a sensitivity of about 2^-11 / ridge to that rounding (kappa <= 1 + 1 / ridge),
+    # reached where H_t keeps few keys. Split products (the default: fp16x3 for 16-bit inputs, ieee for fp32) have
+    # fp32's rounding, 2^-24 / ridge, with a margin (measured per token on the interpreter: o 2e-5, gradients up to
+    # 2.3e-4 for dg, whose reverse sum cancels); at 16 bits the inputs' and outputs' own rounding then rules
+    # (bf16, fast-forgetting gates: o 2.7e-3, gradients up to 2.1e-2 for dg at the worst token).
     # With a ridge offset b, lam_t >= a ||H_t|| + b and ||H_t|| <= t at the check's draws (unit keys, beta <= 1):
     # the bounds take a + b / T at its T.
     def _ridge_floor(self) -> float:
         return self.ridge + self.ridge_offset / VALIDATION_TIME
 
+    def bounds(self, split: bool) -> tuple[dict[str, float], dict[str, float]]:
+        """(output, gradient) error bounds per dtype for split (fp32-class) or single 10-bit products. The
+        gradients combine two solves' rounding (x and the adjoint z), hence twice the output's bound (`ncd check`'s
+        reference differentiates the solve implicitly too, so the iteration's convergence is not in it)."""
+        bound = 2.0 ** -11 / self._ridge_floor()
+        if split:
+            return ({"float32": 2.0 ** -20 / self._ridge_floor(), "bfloat16": 1e-2, "float16": 5e-3},
+                    {"float32": 1e-3, "bfloat16": 3e-2, "float16": 3e-2})
+        return ({"float32": bound, "bfloat16": max(1e-2, bound), "float16": max(5e-3, bound)},
+                {"float32": max(2e-2, 2 * bound), "bfloat16": max(3e-2, 2 * bound), "float16": max(3e-2, 2 * bound)})
+
     @property
     def output_tolerance(self) -> dict[str, float]:
-        bound = 2.0 ** -11 / self._ridge_floor()
-        fp32 = 2.0 ** -20 / self._ridge_floor() if _fp32_products() else bound
-        return {"float32": fp32, "bfloat16": max(1e-2, bound), "float16": max(5e-3, bound)}
+        return self.bounds(_split_products())[0]
 
-    # the gradients combine two solves' rounding (x and the adjoint z), hence twice the output's bound (`ncd
-    # check`'s reference differentiates the solve implicitly too, so the iteration's convergence is not in it)
     @property
     def gradient_tolerance(self) -> dict[str, float]:
-        bound = 2.0 ** -10 / self._ridge_floor()
-        fp32 = 1e-3 if _fp32_products() else max(2e-2, bound)
-        return {"float32": fp32, "bfloat16": max(3e-2, bound), "float16": max(3e-2, bound)}
+        return self.bounds(_split_products())[1]
 
 
-def _fp32_products() -> bool:
-    """Whether fp32 inputs run fp32-class products (the default, or NCD_GKA_DOT_PRECISION tf32x3 / ieee)."""
+def _split_products() -> bool:
+    """Whether the solve runs fp32-class products: the default (ieee for fp32 inputs, fp16x3 for 16-bit ones) or
+    NCD_GKA_DOT_PRECISION fp16x3, tf32x3 or ieee."""
     from ncd.settings import settings
 
-    return settings().gka_dot_precision in (None, "tf32x3", "ieee")
+    return settings().gka_dot_precision in (None, "fp16x3", "tf32x3", "ieee")
 
 
 # --- recognition --------------------------------------------------------------------------------------------
