@@ -1,24 +1,30 @@
 """The official Gated KalmaNet code's own paths against ncd and a float64 per-token recurrence of the paper's
-equations (issue 33, item 4): which one follows the paper, on the same inputs.
+equations (issue 33, item 4): which one follows the paper, on the same inputs; and the official forward's time.
 
-The official code (awslabs/hybrid-model-factory, its `training/src`) and fla's source are read from checkouts
-outside this repository, never copied into it:
+The official code (awslabs/hybrid-model-factory, its `training/src`) and, optionally, an fla source tree are read
+from checkouts outside this repository (or an ignored folder carried to the GPU host), never copied into it:
 
-    python3 bench/gka_official.py --hmf /tmp/hmf/training/src --fla /tmp/fla_full [--t 48] [--phase both]
+    python3 bench/gka_official.py --hmf /tmp/hmf/training/src [--fla /tmp/fla_full] [--t 48] [--phase both]
 
 Phases:
 - `official` runs the official one-step decoding path (`torch_decoding_one_step`: its Chebyshev decode kernel,
   then fla's `fused_recurrent_simple_gla`) token by token, and its chunked forward (`gka_chebyshev_gla`), and
   saves the outputs. The official kernels use block pointers, which Triton 3.9's interpreter removed: on a CPU run
   this phase needs Triton 3.6 on PYTHONPATH (e.g. `pip install --target /tmp/t36 triton==3.6.0`).
-- `compare` computes ncd's chunked op and the float64 recurrence (`ncd.families.recurrence.reference.naive_gka`)
-  and prints the relative RMS and worst-token errors of each output against the recurrence.
-- `both`: the two in one process (a GPU with Triton 3.6, or an interpreter where both run).
+- `compare` computes ncd's chunked op (IEEE products and the default) and the float64 recurrence
+  (`ncd.families.recurrence.reference.naive_gka`) and prints the relative RMS and worst-token errors of each output
+  against the recurrence.
+- `both`: the two in one process (a GPU with Triton 3.6, or an interpreter where both run); `--bf16` draws bf16
+  q, k, v.
+- `time` (GPU): the official chunked forward against ncd's `chunk_gka` forward at B 4, H 8, D 128, bf16, `--ts`
+  and `--rs` (do_bench medians).
 
-On the CPU, fla's `fused_recurrent_simple_gla` kernel fails in Triton 3.6's interpreter (a loop bound read as an
-array). `--torch-gla-step` then replaces it with its one-token math in fp32 torch (h <- exp(g) h + k^T v,
-o = scale q h: fla's common/fused_recurrent.py). The official Chebyshev decode kernel still runs as written.
-fla's package `__init__`s are bypassed: they import every op, some of which do not import under a CPU Triton.
+`--fla` (a checkout or an unpacked wheel, e.g. fla 0.5.0 beside an installed 0.6.0) is imported without its
+package `__init__`s, which import every op, some of which do not import under a CPU Triton; without it the
+installed fla is used. On the CPU, fla's `fused_recurrent_simple_gla` kernel fails in Triton 3.6's interpreter (a
+loop bound read as an array): `--torch-gla-step` then replaces it with its one-token math in fp32 torch
+(h <- exp(g) h + k^T v, o = scale q h: fla's common/fused_recurrent.py). The official Chebyshev decode kernel still
+runs as written. hmf's own package `__init__`s (the training stack) are bypassed too.
 """
 
 from __future__ import annotations
