@@ -13,11 +13,11 @@ backward(config, hooks, ...) -> gradients of q, k, v, g, gk, beta, alpha and the
 Shapes follow fla: q, k [B, T, H, K], v [B, T, H, V], g, gk, beta, alpha [B, T, H] (natural-log gates, g <= 0; gk
 None: g gates both states);
 states (H [N, H, K, K], S [N, H, K, V]) in fp32; `cu_seqlens` packs N sequences into B = 1.
-All accumulation is fp32. By default the solve, output and norm kernels multiply fp16x3 products (fp32 operands
-split into two fp16 halves) for 16-bit inputs and fp32 ones for fp32 inputs (solve_precision says why not one fp16
-product), the forward's scans bf16 ones for bf16 inputs (TF32 otherwise), and the backward fp16x3 ones
-(config.dot_precision, config.grad_precision). With dot_precision "fp16" the forward's chunk states are stored as
-fp16 tiles over power-of-two scales.
+All accumulation is fp32. By default every forward kernel multiplies fp16x3 products (fp32 operands split into
+two fp16 halves) for 16-bit inputs and fp32 ones for fp32 inputs (solve_precision says why not one fp16 product),
+and the backward fp16x3 ones (config.dot_precision, config.grad_precision). With dot_precision "fp16" the solve,
+output and norm kernels multiply scaled fp16 operands, the forward's scans bf16 ones for bf16 inputs (TF32
+otherwise), and the chunk states are stored as fp16 tiles over power-of-two scales.
 
 The recurrence, per (sequence, head), t along time (S is the spec's U transposed: [key, value], fla's layout):
     H_t = exp(gk_t) H_(t-1) + kb_t kb_t^T,  S_t = exp(g_t) S_(t-1) + kb_t vb_t^T,  kb = k KEY_SCALE(beta),
@@ -94,8 +94,8 @@ def plain_precision(config: RecurrenceConfig, dtype: torch.dtype) -> str:
 
 
 def scan_precision(config: RecurrenceConfig, dtype: torch.dtype) -> str:
-    """The forward's state scans: bf16 products for bf16 inputs (the keys or values exact, the weighted keys
-    rounded), else plain_precision."""
+    """The forward's state scans: with the fp16 solve, bf16 products for bf16 inputs (the keys or values exact, the
+    weighted keys rounded); else plain_precision (by default fp16x3 for 16-bit inputs, ieee for fp32)."""
     prec = plain_precision(config, dtype)
     return "bf16" if prec == "tf32" and dtype == torch.bfloat16 else prec
 
