@@ -54,6 +54,11 @@ class RecurrenceConfig:
         return replace(self, dot_precision=self.dot_precision or current.gka_dot_precision,
                        grad_precision=self.grad_precision or current.gka_grad_precision)
 
+    def split_products(self) -> bool:
+        """Whether the solve multiplies fp32-class products (the default: ieee for fp32 inputs, fp16x3 for 16-bit
+        ones; or fp16x3, tf32x3, ieee set here or by NCD_GKA_DOT_PRECISION), not one 10-bit product."""
+        return self.with_settings().dot_precision in (None, "fp16x3", "tf32x3", "ieee")
+
     def describe(self) -> list[str]:
         by_dtype = "by input dtype (fp32: ieee, 16-bit: fp16x3; NCD_GKA_DOT_PRECISION overrides)"
         return [

@@ -9,6 +9,7 @@ import torch
 from ncd import ir
 from ncd.families.recurrence.delta import DeltaRulePlan
 from ncd.families.recurrence.linear import group_sizes
+from ncd.families.recurrence.plan import RecurrencePlan
 from ncd.ops import Op
 from ncd.reference import evaluate
 from ncd.validate import Case
@@ -38,8 +39,12 @@ class RecurrenceForms(Forms):
     def tolerances(self, case: Case) -> tuple[float, float]:
         """The solve's rounding bounds of the plan (reduced-precision products), at least the defaults."""
         tol, _ = super().tolerances(case)
-        tol = max(tol, self.plan.output_tolerance.get(case.dtype_name, 0.0))
-        return tol, max(tol, self.plan.gradient_tolerance.get(case.dtype_name, tol))
+        if isinstance(self.plan, RecurrencePlan):  # GKA: by the products this op's config gives its solve
+            output, gradient = self.plan.bounds(self.op.config.split_products())
+        else:
+            output, gradient = self.plan.output_tolerance, self.plan.gradient_tolerance
+        tol = max(tol, output.get(case.dtype_name, 0.0))
+        return tol, max(tol, gradient.get(case.dtype_name, tol))
 
     def cases(self, dtypes: tuple[torch.dtype, ...]) -> list[Case]:
         out = [Case("chunk default", "normal", FP32), Case("chunk 16", "normal", FP32, True),

@@ -215,22 +215,6 @@ class RecurrencePlan:
         return ({"float32": bound, "bfloat16": max(1e-2, bound), "float16": max(5e-3, bound)},
                 {"float32": max(2e-2, 2 * bound), "bfloat16": max(3e-2, 2 * bound), "float16": max(3e-2, 2 * bound)})
 
-    @property
-    def output_tolerance(self) -> dict[str, float]:
-        return self.bounds(_split_products())[0]
-
-    @property
-    def gradient_tolerance(self) -> dict[str, float]:
-        return self.bounds(_split_products())[1]
-
-
-def _split_products() -> bool:
-    """Whether the solve runs fp32-class products: the default (ieee for fp32 inputs, fp16x3 for 16-bit ones) or
-    NCD_GKA_DOT_PRECISION fp16x3, tf32x3 or ieee."""
-    from ncd.settings import settings
-
-    return settings().gka_dot_precision in (None, "fp16x3", "tf32x3", "ieee")
-
 
 # --- recognition --------------------------------------------------------------------------------------------
 
