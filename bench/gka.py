@@ -326,15 +326,18 @@ def main():
 
 
 def decode(rs, b=32, heads=16):
-    """One token from fp32 states (H [B, H, K, K], S [B, H, K, V]: 64 MB at B 32, H 16, D 128), device time by CUDA
-    graphs, against a device-to-device copy of the same bytes in the same run (the bandwidth bound: read and write
-    each state once); the call time with the host's beside it."""
+    """One token from fp32 states (H [B, H, K, K], S [B, H, K, V]: 64 MB at B 32, H 16, D 128) that a chunked prefill
+    of 64 tokens left, device time by CUDA graphs, against a device-to-device copy of the same bytes in the same
+    run (the bandwidth bound: read and write each state once); the call time with the host's beside it. Checked
+    first: the token and the states equal the chunked op's from the same states."""
     from triton.testing import do_bench_cudagraph
 
-    from ncd.ops import recurrent_gka
+    from ncd.ops import chunk_gka, recurrent_gka
 
     q, k, v, g, beta, alpha = draw(b, 1, heads)
-    states = tuple(torch.randn(b, heads, D, D, device="cuda") * 0.1 for _ in range(2))
+    with torch.no_grad():
+        prefill = draw(b, 64, heads, seed=1)
+        _, states = chunk_gka(*prefill[:5], alpha=prefill[5], output_final_state=True)
     copies = tuple(torch.empty_like(s) for s in states)
     mb = sum(s.numel() * 4 for s in states) / 1e6
 
@@ -342,18 +345,26 @@ def decode(rs, b=32, heads=16):
         for out, s in zip(copies, states, strict=True):
             out.copy_(s)
 
+    failures = []
     with torch.no_grad():
         copy()
         copy_ms = float(do_bench_cudagraph(copy, rep=200, return_mode="median"))
         for r in rs:
             def step(r=r):
                 return recurrent_gka(q, k, v, g, beta, alpha=alpha, initial_state=states, num_iter=r)
-            step()  # compile outside the graph
+            o, (h, s) = step()  # compiles outside the graph
+            want, (h_want, s_want) = chunk_gka(q, k, v, g, beta, alpha=alpha, initial_state=states,
+                                               output_final_state=True, num_iter=r)
+            errors = {"o": rel(o, want), "H": rel(h, h_want), "S": rel(s, s_want)}
+            if not max(errors.values()) < 2e-3:  # bf16 o; the chunked solve's fp16x3 products against fp32 FMAs
+                failures.append(f"decode r {r}")
             graph = float(do_bench_cudagraph(step, rep=200, return_mode="median"))
             call = ms(step)
             log(f"decode B {b} H {heads} D {D}, r {r}, one token, states {mb:.0f} MB: device {graph * 1e3:.1f} us "
                 f"({2 * mb / graph:.0f} GB/s; a copy of the same bytes {copy_ms * 1e3:.1f} us: "
-                f"{copy_ms / graph:.0%} of it); per call with host time {call * 1e3:.1f} us")
+                f"{copy_ms / graph:.0%} of it); per call with host time {call * 1e3:.1f} us; against the chunked op: "
+                + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    log(f"decode correctness: {'all OK' if not failures else 'FAILED: ' + ', '.join(failures)}")
 
 
 # --variants-of-spec: the Gated KalmaNet variants beside specs/gka.ncd (tests/test_gka_variants.py covers more)

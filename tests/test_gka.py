@@ -606,7 +606,7 @@ def test_precision_settings_are_validated(monkeypatch):
 
 @pytest.mark.parametrize("beta, alpha", [(True, True), (False, False)])
 def test_decoding_token_by_token_continues_a_chunked_prefill(gka_module, beta, alpha):
-    """`recurrent` (the decoding kernel, one program per sequence and head) from the state a chunked prefill ends
+    """`recurrent` (the decoding kernels) from the state a chunked prefill ends
     in gives the chunked op's outputs for the following tokens, one token per call and several per call, and the
     chunked op's final states; from zero states over the whole sequence too."""
     inputs = draw(B=2, T=45, beta=beta, alpha=alpha)
@@ -631,6 +631,29 @@ def test_decoding_token_by_token_continues_a_chunked_prefill(gka_module, beta, a
     if beta:  # the public function, any head size (a compile of its own: once)
         top, _ = ncd.ops.recurrent_gka(q, k, v, g, b, alpha=a, config=EXACT)
         assert rms_ratio(top, full) < 1e-5
+
+
+def test_decoding_reads_out_every_block_of_value_columns():
+    """The decoding read-out runs one program per 64 value columns: at V = 72 the second block is partial (8 of 64
+    columns). Every column of o and of S continues a chunked prefill as the chunked op computes it, and the key
+    state H (updated by the solve's programs, not the read-out's) too."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, KD, VD = 1, 21, 2, 16, 72
+    q = F.normalize(torch.randn(B, T, H, KD, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, KD, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, VD, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 1.0)
+    b, a = (torch.sigmoid(torch.randn(B, T, H, generator=gen)) for _ in range(2))
+    kw = {"num_iter": 7, "config": EXACT}
+    full, (h_full, s_full) = ncd.ops.chunk_gka(q, k, v, g, b, alpha=a, output_final_state=True, chunk_size=16, **kw)
+    _, state = ncd.ops.chunk_gka(q[:, :17], k[:, :17], v[:, :17], g[:, :17], b[:, :17], alpha=a[:, :17],
+                                 output_final_state=True, chunk_size=16, **kw)
+    o, (h, s) = ncd.ops.recurrent_gka(q[:, 17:], k[:, 17:], v[:, 17:], g[:, 17:], b[:, 17:], alpha=a[:, 17:],
+                                      initial_state=state, **kw)
+    assert o.shape == (B, 4, H, VD) and torch.isfinite(o).all()
+    per_column = (o - full[:, 17:]).abs().amax((0, 1, 2)) / full[:, 17:].abs().amax()
+    assert per_column.max() < 1e-5  # the partial block's columns (64..71) included
+    assert rms_ratio(h, h_full) < 1e-5 and rms_ratio(s, s_full) < 1e-5
 
 
 def test_decoding_refuses_inputs_that_require_a_gradient_and_bad_states(gka_module):

@@ -158,8 +158,9 @@ class RecurrencePlan:
             "backward 8 (state recompute; right-hand side; solve; ridge terms; both reverse scans; 3 gradient "
             "kernels), static in ncd/families/recurrence/kernel.py; the spec's scalings enter as constexpr device "
             "functions",
-            "decoding (`recurrent`): 1 launch, one program per (sequence, head), the recurrence token by token from "
-            "a state with the same scalings and Chebyshev steps (kernel_recurrent.py); no backward",
+            "decoding (`recurrent`): 2 launches, the recurrence token by token from a state with the same scalings "
+            "and Chebyshev steps (kernel_recurrent.py): H's update and the solve, one program per (sequence, head); "
+            "S's update and the read-out, one per (sequence, head, 64 value columns); no backward",
             *self.config.describe(),
         ]
 
