@@ -656,6 +656,42 @@ def test_decoding_reads_out_every_block_of_value_columns():
     assert rms_ratio(h, h_full) < 1e-5 and rms_ratio(s, s_full) < 1e-5
 
 
+def test_decoding_remembers_only_call_checks_that_passed(gka_module, monkeypatch):
+    """Decoding is host-bound, so a call whose tensors have the shapes, dtypes and devices of one that passed skips
+    the checks (rt.CheckMemo). A failure is never remembered, initial states are part of the signature (and
+    (None, None) is refused, not taken for no state), and packed calls, whose cu_seqlens values are checked, are
+    checked every time."""
+    import ncd.runtime as rt
+
+    checks = []
+    bind_axes = rt.bind_axes
+    monkeypatch.setattr(rt, "bind_axes", lambda *args: checks.append(1) or bind_axes(*args))
+    q, k, v, g, b, a = draw(B=3, T=1)  # a batch no other test of this shared op decodes
+    state = (torch.zeros(3, 2, K, K), torch.zeros(3, 2, K, V))
+    with torch.no_grad():
+        for _ in range(3):
+            gka_module.recurrent(q, k, v, g, b, alpha=a, initial_state=state)
+        assert len(checks) == 1
+        gka_module.recurrent(q, k, v, g, b, alpha=a)  # no state: another signature
+        gka_module.recurrent(q.clone(), k, v, g, b, alpha=a)
+        assert len(checks) == 2
+        for _ in range(2):
+            with pytest.raises(CallError, match=r"initial_state\[0\] must have shape"):
+                gka_module.recurrent(q, k, v, g, b, alpha=a, initial_state=(torch.zeros(3, 2, K, K + 1), state[1]))
+            with pytest.raises(CallError, match=r"initial_state\[0\] must have shape"):
+                gka_module.recurrent(q, k, v, g, b, alpha=a, initial_state=(None, None))
+        with pytest.raises(CallError, match=r"beta has dtype torch\.int64"):
+            gka_module.recurrent(q, k, v, g, torch.ones(3, 1, 2, dtype=torch.long), alpha=a)
+        packed = [t.reshape(1, 3, *t.shape[2:]) for t in (q, k, v, g, b, a)]
+        seqlens = torch.tensor([0, 1, 3])
+        before = len(checks)
+        for _ in range(2):
+            gka_module.chunk(*packed[:5], alpha=packed[5], cu_seqlens=seqlens)
+        assert len(checks) == before + 2
+        with pytest.raises(CallError, match="cu_seqlens must rise from 0 to 3"):
+            gka_module.chunk(*packed[:5], alpha=packed[5], cu_seqlens=torch.tensor([0, 2, 1, 3]))
+
+
 def test_decoding_refuses_inputs_that_require_a_gradient_and_bad_states(gka_module):
     q, k, v, g, b, a = draw(B=1, T=3)
     with pytest.raises(CallError, match="no backward"):

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ncd import runtime as rt
 from ncd.errors import CallError
 from ncd.families.recurrence.runtime import Roles, ScanOp, as_head_first, as_one_head_sequences
 from ncd.op_runtime import Arg, KernelOp
@@ -38,6 +39,7 @@ class LinearScanOp(ScanOp):
         chunk scores) the eager backward receives as the backward launcher's last argument."""
         self.spec_name, self.roles, self.axes = spec_name, roles, axes
         self.chunk_size = chunk_size
+        self._checked = rt.CheckMemo()
         self._launch_forward, self._launch_backward, self._chunk_table = forward, backward, chunk_table
         self._launch_step = step
         self.output_factor, self.scale_default = output_factor, scale_default
