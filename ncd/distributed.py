@@ -1,0 +1,213 @@
+"""Sequence parallelism for the gated recurrences over torch.distributed: each rank holds a contiguous time shard of
+the same sequences, and the result on each rank is the single-device op's on its shard, forward and backward.
+
+The state map of one shard is affine, S_out = A S_in + F, and for every decay-gated recurrence A is the shard's
+total decay: exp(sum of g) per head (simple GLA, Gated KalmaNet's two states, each with its own gate or none), per
+key row (GLA's per-key gate) or exp(g T_shard) (RetNet's constant decay). So:
+
+1. each rank but the last computes F_r, the state its shard ends in from a zero state (rank 0: from the given
+   initial state), and G_r, its shard's log decay total. Gated linear attention's F is one weighted product,
+   sum_t exp(g_(t+1) + ... + g_T) k_t v_t^T (the family's update is exactly exp(g) prev + v k); Gated KalmaNet's
+   comes from its own chunked op with no Chebyshev steps (the states do not depend on the solve, and its beta
+   scalings are the spec's);
+2. one all_gather of (F_r, G_r) (torch.distributed.nn.functional: differentiable; its backward is one all-to-all);
+3. rank r folds the shards before it, S_in = exp(G_j) S_in + F_j for j < r, and runs the chunked op on its shard
+   from S_in.
+
+The result is exact: the last step is the single-device recurrence from the exact incoming state (Gated KalmaNet's
+solve reads the full prefix state, as it must). The delta rules' A is a matrix, not a decay, and is refused here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.nn.functional import all_gather
+
+from ncd.errors import CallError
+from ncd.families.recurrence.runtime import GKAOp
+from ncd.families.recurrence.runtime_delta import DeltaRuleOp
+from ncd.families.recurrence.runtime_linear import LinearScanOp
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SHAPE_SLOTS = 6  # dims recorded per tensor in the shard check (the recurrences' inputs have at most 4)
+
+
+def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: Any) -> tuple:
+    """`op`'s chunked recurrence (an `ncd.load`ed recurrence spec, or its `.module`) with the time axis sharded
+    over the ranks of `group` (default: the world). Arguments as the op's `chunk`, on every rank: tensors in fla's
+    layout [B, T_r, H, ...] holding tokens [sum of T_j for j < r, + T_r) of the same B sequences, in rank order
+    (shards may differ in length; every rank at least one token); the gates, scale and knobs alike on every rank.
+    `initial_state` is the sequences' state before their first token and is read on rank 0 only; with
+    `output_final_state`, each rank returns the state after its own shard (the last rank's: after the sequences).
+    Returns (o [B, T_r, H, V], final state or None) on each rank; gradients reach every rank's inputs, so every
+    rank must run the backward. cu_seqlens packing and head-first specs are not supported here. A rank whose
+    shard disagrees with rank 0's in any axis but time, or in dtype, raises CallError on every rank."""
+    module = getattr(op, "module", op)
+    runtime, chunk = module._OP, module.chunk
+    name = runtime.spec_name
+    if isinstance(runtime, DeltaRuleOp) or not isinstance(runtime, (GKAOp, LinearScanOp)):
+        raise CallError(None, detail=f"{name}: sequence parallelism needs each shard's state map to be a decay; "
+                        "the delta rule's is a matrix (not implemented)")
+    if runtime.roles.head_first:
+        raise CallError(None, detail=f"{name}: sequence parallelism shards fla's layout [batch time head dim]; "
+                        "this spec declares its inputs head-first")
+    call = inspect.signature(chunk).bind(*args, **kwargs)
+    call.apply_defaults()
+    given = call.arguments
+    if given.get("cu_seqlens") is not None:
+        raise CallError(None, detail=f"{name}: sequence parallelism takes unpacked sequences (cu_seqlens None)")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    _check_shards(runtime, given, rank, world, group)
+    states = _state_count(runtime)
+    initial, want_final = given["initial_state"], given["output_final_state"]
+
+    def run(initial_state: Any, final: bool, **knobs: Any) -> tuple:
+        return chunk(**{**given, "initial_state": initial_state, "output_final_state": final, **knobs})
+
+    start = initial if rank == 0 else None
+    if rank == world - 1:  # nobody reads the last shard's end state: zeros of the states' shapes
+        ends = [torch.zeros(_state_shape(runtime, given, i), device=given["q"].device) for i in range(states)]
+    elif isinstance(runtime, GKAOp):
+        ends = list(run(start, True, num_iter=0)[1])
+    else:
+        ends = [_linear_end_state(runtime, given, start)]
+    decays = _log_decays(runtime, given)
+    packed = torch.cat([t.float().reshape(-1) for t in (*ends, *decays)])
+    gathered = all_gather(packed, group=group)
+    incoming = _fold(gathered[:rank], [e.shape for e in ends], [d.shape for d in decays])
+    if rank > 0:
+        start = tuple(incoming) if states > 1 else incoming[0]
+    o, final = run(start, want_final)
+    o = _Tie.apply(o, *gathered)  # every rank's backward reaches the gather, so its all-to-all runs on every rank
+    if not want_final:
+        final = None
+    elif isinstance(final, list):
+        final = tuple(final)
+    return o, final
+
+
+def _state_count(runtime: Any) -> int:
+    return 2 if isinstance(runtime, GKAOp) else 1
+
+
+def _state_shape(runtime: Any, given: dict, index: int) -> tuple[int, ...]:
+    q, v = given["q"], given["v"]
+    B, _, H, K = q.shape
+    if isinstance(runtime, GKAOp) and index == 0:
+        return (B, H, K, K)
+    return (B, H, K, v.shape[-1])
+
+
+def _linear_gates(runtime: Any, given: dict) -> torch.Tensor:
+    """Gated linear attention's log gates per token, fp32: [B, T, H] or, per key, [B, T, H, K]."""
+    q, g = given["q"], given.get("g")
+    B, T, H, _ = q.shape
+    if g is None or runtime.roles.g is None:
+        return torch.zeros(B, T, H, device=q.device)
+    if runtime.roles.gate_per_head:  # RetNet: g [H], the same decay at every token
+        return g.float().reshape(1, 1, H).expand(B, T, H)
+    return g.float()
+
+
+def _linear_end_state(runtime: Any, given: dict, start: Any) -> torch.Tensor:
+    """The state [B, H, K, V] (fp32) after this shard, from `start` (None: zeros): sum_t exp(g_(t+1) + ... + g_T)
+    k_t v_t^T (+ exp(g_1 + ... + g_T) start). The sums run from the end, so a reset (g = -inf) gives zero weights,
+    never -inf - (-inf)."""
+    q, k, v = given["q"], given["k"], given["v"]
+    group = q.shape[2] // k.shape[2]  # GQA: a state per query head
+    if group > 1:
+        k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    g = _linear_gates(runtime, given)
+    suffix = g.flip(1).cumsum(1).flip(1)  # g_t + ... + g_T
+    after = torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], 1)  # g_(t+1) + ... + g_T
+    weight = torch.exp(after)
+    end = torch.einsum("bthk,bthv->bhkv", k.float() * (weight if g.dim() == 4 else weight[..., None]), v.float())
+    if start is not None:
+        B, H = end.shape[:2]
+        end = end + torch.exp(suffix[:, 0]).reshape(B, H, -1, 1) * start
+    return end
+
+
+def _log_decays(runtime: Any, given: dict) -> list[torch.Tensor]:
+    """Each state's log decay over this shard, shaped to multiply the state [B, H, K, *] (fp32)."""
+    q = given["q"]
+    B, _, H, _ = q.shape
+    if isinstance(runtime, GKAOp):
+        g_s, g_h = runtime._gates(given.get("g"), given.get("gk"), q)
+        g_h = g_s if g_h is None else g_h
+        return [g.float().sum(1).reshape(B, H, 1, 1) for g in (g_h, g_s)]
+    return [_linear_gates(runtime, given).sum(1).reshape(B, H, -1, 1)]  # per head or, per key, [B, H, K, 1]
+
+
+def _fold(earlier: Any, state_shapes: list, decay_shapes: list) -> list[torch.Tensor]:
+    """The states entering this rank's shard from the earlier ranks' gathered (F_j, G_j): S = F_0, then
+    S = exp(G_j) S + F_j (rank 0's F_0 already starts from the given initial state)."""
+    incoming: list[torch.Tensor] = []
+    for packed in earlier:
+        parts = list(packed.split([int(torch.Size(shape).numel()) for shape in (*state_shapes, *decay_shapes)]))
+        ends = [p.reshape(shape) for p, shape in zip(parts, state_shapes, strict=False)]
+        decays = [p.reshape(shape) for p, shape in zip(parts[len(state_shapes):], decay_shapes, strict=True)]
+        if not incoming:
+            incoming = ends
+        else:
+            incoming = [torch.exp(d) * s + e for s, e, d in zip(incoming, ends, decays, strict=True)]
+    return incoming
+
+
+class _Tie(torch.autograd.Function):
+    """o unchanged; the gathered tensors get zero gradients from it, so that the gather's backward (a collective)
+    runs on every rank, including rank 0, whose output does not read them."""
+
+    @staticmethod
+    def forward(ctx: Any, o: torch.Tensor, *gathered: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.shapes = [(g.shape, g.dtype, g.device) for g in gathered]
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes))
+
+
+def _check_shards(runtime: Any, given: dict, rank: int, world: int, group: Any) -> None:
+    """Every rank's tensors against rank 0's (one all_gather of their shapes and dtypes): the same axes but time,
+    the same dtypes, at least one token. A mismatch raises the same CallError on every rank, naming the rank, the
+    tensor and the axis, instead of a collective that hangs or a wrong state."""
+    names = [n for n, t in given.items() if isinstance(t, torch.Tensor) and n != "initial_state"]
+    record = []
+    for n in names:
+        t = given[n]
+        dims = list(t.shape)[:_SHAPE_SLOTS]
+        code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
+        record += [t.dim(), code, *dims, *[-1] * (_SHAPE_SLOTS - len(dims))]
+    mine = torch.tensor(record, dtype=torch.int64, device=given["q"].device)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    table = torch.stack(rows).tolist()
+    width = 2 + _SHAPE_SLOTS
+    for r in range(world):
+        for i, n in enumerate(names):
+            ref, got = table[0][i * width:(i + 1) * width], table[r][i * width:(i + 1) * width]
+            axes = runtime.roles.axes.get(n, ())  # chunk's argument names are the roles
+            if got[1] != ref[1]:
+                raise CallError(None, detail=f"rank {r}: {n} has dtype {_dtype_name(got[1])}, rank 0's "
+                                f"{_dtype_name(ref[1])} (sequence-parallel shards must agree)")
+            for axis in range(max(got[0], ref[0])):
+                size, want = got[2 + axis], ref[2 + axis]
+                if n == "q" and axis == 1 and size < 1:
+                    raise CallError(None, detail=f"rank {r}: {n} holds no tokens (axis "
+                                    f"'{_axis_name(axes, axis)}'); every rank needs a shard")
+                if got[0] != ref[0] or (axis != 1 and size != want):
+                    raise CallError(None, detail=f"rank {r}: {n} has axis '{_axis_name(axes, axis)}' of size "
+                                    f"{size}, rank 0's {want} (shards differ in time only)")
+
+
+def _axis_name(axes: tuple, axis: int) -> str:
+    return axes[axis] if axis < len(axes) else str(axis)
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]) if code < len(_DTYPES) else "a dtype the op refuses"
