@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.nn.functional import all_gather
 
 from ncd.errors import CallError
@@ -124,12 +125,27 @@ def _linear_end_state(runtime: Any, given: dict, start: Any) -> torch.Tensor:
     g = _linear_gates(runtime, given)
     suffix = g.flip(1).cumsum(1).flip(1)  # g_t + ... + g_T
     after = torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], 1)  # g_(t+1) + ... + g_T
-    weight = torch.exp(after)
-    end = torch.einsum("bthk,bthv->bhkv", k.float() * (weight if g.dim() == 4 else weight[..., None]), v.float())
+    weighted = k.float() * torch.exp(after if g.dim() == 4 else after[..., None])
+    end = _sum_over_time(weighted, v.float())
     if start is not None:
         B, H = end.shape[:2]
         end = end + torch.exp(suffix[:, 0]).reshape(B, H, -1, 1) * start
     return end
+
+
+def _sum_over_time(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_t a_t b_t^T, [B, T, H, K] x [B, T, H, V] -> [B, H, K, V] (fp32), as products over blocks of at least 1024
+    tokens summed after: one product over all of T has B H output tiles to share the GPU, each reducing T. H100,
+    T 32768, H 16: the single product made simple GLA's sequence-parallel step 0.49x one GPU
+    (bench/log/2026-11-27-issue33-s7.md)."""
+    B, T, H, K = a.shape
+    block = T if T <= 1024 else max(1024, -(-T // 64))
+    pad = -T % block
+    if pad:
+        a, b = F.pad(a, (0, 0, 0, 0, 0, pad)), F.pad(b, (0, 0, 0, 0, 0, pad))
+    blocks = (T + pad) // block
+    return torch.einsum("bcthk,bcthv->bchkv", a.reshape(B, blocks, block, H, K),
+                        b.reshape(B, blocks, block, H, b.shape[-1])).sum(1)
 
 
 def _log_decays(runtime: Any, given: dict) -> list[torch.Tensor]:
