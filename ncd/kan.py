@@ -194,3 +194,4 @@ def _kat_device(device: object) -> str:
 
 
 # Polynomial KAN layers (families/polykan), re-exported so that ncd.kan.ChebyKANLayer / ncd.kan.PolyKANLayer work.
+from ncd.families.polykan.plan import ChebyKANLayer, PolyKANLayer  # noqa: E402, F401

@@ -192,6 +192,26 @@ def test_torch_compile_fullgraph_forward_and_backward(op_cache):
     _assert_compiled_matches_eager(op, *_qkv(requires_grad=True))
 
 
+def test_compiled_gradients_of_transposed_inputs_keep_the_real_strides(op_cache):
+    """Heads split off a [batch, time, heads * dim] tensor and transposed into the op: a compiled graph (aot_eager)
+    views the input's gradient by the strides the op's fake backward promised. Those must be the real, contiguous
+    ones (`empty_like` of the transposed q promised q's strides: RuntimeError "view size is not compatible")."""
+    op = _load("softmax_attention", op_cache)
+
+    def heads(x):
+        return x.view(x.shape[0], x.shape[1], 2, 128).transpose(1, 2)
+
+    def f(x):
+        q = heads(x)
+        return op(q, q * 0.5, q + 1).transpose(1, 2).reshape(x.shape)
+
+    x = torch.randn(2, 19, 256, requires_grad=True)
+    do = torch.randn(2, 19, 256)
+    (want,) = torch.autograd.grad(f(x), x, do)
+    (got,) = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(x), x, do)
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize(("stem", "form"), [("causal_spherical_attention", "always"),
                                           ("causal_spherical_attention", "never"), ("softmax_attention", None)])
 def test_eager_calls_skip_the_custom_ops(op_cache, monkeypatch, stem, form):

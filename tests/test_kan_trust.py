@@ -308,3 +308,12 @@ def test_contiguous_default_layout_matches_the_kernel_layout():
         for a, b in zip(*outs, strict=True):
             assert torch.equal(a, b)
         assert spec_layer.cheby_coeffs.grad.stride() == spec_layer.cheby_coeffs.stride()
+
+
+def test_the_kan_layers_import_from_ncd_kan_as_the_readme_says():
+    """README: `ncd.kan.KATGroup`, `ncd.kan.ChebyKANLayer`, `ncd.kan.PolyKANLayer` (a package move once dropped
+    the last two)."""
+    import ncd.kan
+
+    assert ncd.kan.ChebyKANLayer is ChebyKANLayer and ncd.kan.PolyKANLayer is PolyKANLayer
+    assert issubclass(ncd.kan.KATGroup, torch.nn.Module)

@@ -173,12 +173,14 @@ class KernelOp:
         def backward(grads: list, saved: list, *rest: Any) -> list[torch.Tensor]:
             *constants, needs = rest
             raw = self._backward(tuple(grads), tuple(saved), tuple(constants), tuple(needs), None)
-            return list(_filled(raw, saved))
+            return [g.contiguous() for g in _filled(raw, saved)]
 
         def fake_backward(grads: list, saved: list, *rest: Any) -> list[torch.Tensor]:
+            # contiguous, as the real gradients are made: `empty_like` of a transposed input kept its strides, and
+            # a compiled graph then viewed the real, contiguous gradient by them (tests/test_distributed_training.py)
             *constants, needs = rest
             raw = self._backward_fake(tuple(grads), tuple(saved), tuple(constants), tuple(needs))
-            return list(_filled(raw, saved))
+            return [g.contiguous() for g in _filled(raw, saved)]
 
         op = torch.library.custom_op(f"{self.qualname}_backward", backward, mutates_args=(),
                                      schema=_backward_schema(self.args))
