@@ -192,10 +192,13 @@ def _check_shards(runtime: Any, given: dict, rank: int, world: int, group: Any) 
     """Every rank's tensors against rank 0's (one all_gather of their shapes and dtypes): the same axes but time,
     the same dtypes, at least one token. A mismatch raises the same CallError on every rank, naming the rank, the
     tensor and the axis, instead of a collective that hangs or a wrong state."""
-    names = [n for n, t in given.items() if isinstance(t, torch.Tensor) and n != "initial_state"]
+    names = [n for n in given if n != "initial_state"]  # every argument: the records have one length on all ranks
     record = []
     for n in names:
         t = given[n]
+        if not isinstance(t, torch.Tensor):
+            record += [-1, -1, *[-1] * _SHAPE_SLOTS]
+            continue
         dims = list(t.shape)[:_SHAPE_SLOTS]
         code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
         record += [t.dim(), code, *dims, *[-1] * (_SHAPE_SLOTS - len(dims))]
@@ -208,6 +211,10 @@ def _check_shards(runtime: Any, given: dict, rank: int, world: int, group: Any) 
         for i, n in enumerate(names):
             ref, got = table[0][i * width:(i + 1) * width], table[r][i * width:(i + 1) * width]
             axes = runtime.roles.axes.get(n, ())  # chunk's argument names are the roles
+            if (got[0] < 0) != (ref[0] < 0):
+                kinds = ["not a tensor" if row[0] < 0 else "a tensor" for row in (got, ref)]
+                raise CallError(None, detail=f"rank {r}: {n} is {kinds[0]}, rank 0's is {kinds[1]} "
+                                "(sequence-parallel shards must agree)")
             if got[1] != ref[1]:
                 raise CallError(None, detail=f"rank {r}: {n} has dtype {_dtype_name(got[1])}, rank 0's "
                                 f"{_dtype_name(ref[1])} (sequence-parallel shards must agree)")

@@ -171,7 +171,8 @@ def _bad_shard_worker(rank: int, world: int, name: str, shards: list, init: str,
     x = _inputs(name, 6)
     x.pop("initial_state")
     cases = [("k", x["k"][:, :, :1], r"rank 1: k has axis 'head' of size 1, rank 0's 2"),
-             ("v", x["v"].double(), r"rank 1: v has dtype torch\.float64, rank 0's torch\.float32")]
+             ("v", x["v"].double(), r"rank 1: v has dtype torch\.float64, rank 0's torch\.float32"),
+             ("scale", torch.tensor(0.5), r"rank 1: scale is a tensor, rank 0's is not a tensor")]
     for bad, value, message in cases:
         given = dict(x, **{bad: value}) if rank == 1 else x
         with pytest.raises(CallError, match=message):
