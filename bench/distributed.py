@@ -1,8 +1,10 @@
-"""Sequence-parallel recurrences on several GPUs (NCCL) against one GPU running the whole sequence, in one run:
-each rank's output and gradients are checked against the single-GPU op on the same rank's GPU, then forward+backward
-is timed both ways (CUDA events around a barrier; median of --reps steps). bf16 inputs, B 1, D 128.
+"""Context-parallel attention and sequence-parallel recurrences on several GPUs (NCCL) against one GPU running the
+whole sequence, in one run: each rank's output and gradients are checked against the single-GPU op on the same rank's
+GPU, then forward+backward is timed both ways (CUDA events around a barrier; median of --reps steps). bf16 inputs,
+B 1, D 128. With --profile, rank 0's exposed communication: the time NCCL kernels run while no other kernel does, as a
+share of the parallel step (torch.profiler, one step).
 
-    python bench/distributed.py --gpus 2 --ops gka,simple_gla --t 65536 --heads 16
+    python bench/distributed.py --gpus 2 --ops causal_softmax_attention,gka --t 65536 --heads 16 --profile
 """
 
 from __future__ import annotations
@@ -30,6 +32,59 @@ def inputs(op_name: str, t: int, heads: int, device: torch.device) -> dict:
         x["beta"] = torch.sigmoid(torch.randn(1, t, heads, device=device, generator=gen))
         x["alpha"] = torch.sigmoid(torch.randn(1, t, heads, device=device, generator=gen))
     return x
+
+
+ATTENTION = ("causal_softmax_attention", "causal_spherical_attention", "softmax_attention", "spherical_attention")
+
+
+def attention_inputs(t: int, heads: int, device: torch.device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    return {n: torch.randn(1, heads, t, D, device=device, generator=gen).bfloat16() for n in ("Q", "K", "V")}
+
+
+def exposed_communication(fn) -> tuple[float, float]:
+    """(ms NCCL kernels run with no other kernel running, ms from the first kernel's start to the last's end) of
+    one call of fn, from torch.profiler's kernel records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [(e.time_range.start, e.time_range.end, "nccl" in e.name.lower()) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    compute = sorted((a, b) for a, b, comm in kernels if not comm)
+    merged: list[list[float]] = []
+    for a, b in compute:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    exposed = 0.0
+    for a, b, comm in kernels:
+        if comm:
+            covered = sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged)
+            exposed += (b - a) - covered
+    span = max(b for _, b, _ in kernels) - min(a for a, _, _ in kernels)
+    return exposed / 1e3, span / 1e3
+
+
+def top_kernels(fn, count: int = 10) -> str:
+    """The `count` kernels of one call of fn with the most GPU time (torch.profiler), one per line."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(e.name[:60], [0.0, 0])
+            entry[0] += (e.time_range.end - e.time_range.start) / 1e3
+            entry[1] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:count]
+    return "\n".join(f"    {ms:8.3f} ms {n:4d}x {name}" for name, (ms, n) in rows)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -65,7 +120,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", rank))
     import ncd
-    from ncd.distributed import sequence_parallel_chunk
+    from ncd.distributed import context_parallel_attention, sequence_parallel_chunk, zigzag_shard
     from ncd.ops import shipped_spec
 
     device = torch.device("cuda", rank)
@@ -75,25 +130,67 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         dist.barrier()
         if rank != 0:
             op = ncd.load(shipped_spec(op_name))
-        full = inputs(op_name, args.t, args.heads, device)
-        do = torch.randn(full["v"].shape, device=device, generator=torch.Generator(device=device).manual_seed(1))
-        shard = args.t // world
-        lo, hi = rank * shard, (rank + 1) * shard if rank < world - 1 else args.t
-        mine = {n: t[:, lo:hi] for n, t in full.items()}
+        if op_name in ATTENTION:
+            full = attention_inputs(args.t, args.heads, device)
+            do = torch.randn(full["V"].shape, device=device, generator=torch.Generator(device=device).manual_seed(1))
+            causal = op.module.KERNELS.causal
 
-        def single(op=op, **x):
-            return op.module.chunk(**x)
+            def cut(t, causal=causal):
+                if causal:
+                    return zigzag_shard(t, 2, rank, world)
+                n = args.t // world
+                return t[:, :, rank * n:(rank + 1) * n]
 
-        def parallel(op=op, **x):
-            return sequence_parallel_chunk(op, **x)
+            mine = {n: cut(t) for n, t in full.items()}
+            do_mine = cut(do)
+
+            def single(op=op, **x):
+                return (op(**x),)
+
+            def parallel(op=op, **x):
+                return (context_parallel_attention(op, **x),)
+
+            streamed = None
+            if op.module._OP.factorized is not None:  # the form the ring runs, on one GPU, for comparison
+                streamed_op = op.with_config(factorize="never")
+
+                def streamed(op=streamed_op, **x):
+                    return (op(**x),)
+        else:
+            full = inputs(op_name, args.t, args.heads, device)
+            do = torch.randn(full["v"].shape, device=device, generator=torch.Generator(device=device).manual_seed(1))
+            shard = args.t // world
+            lo, hi = rank * shard, (rank + 1) * shard if rank < world - 1 else args.t
+            mine = {n: t[:, lo:hi] for n, t in full.items()}
+            do_mine = do[:, lo:hi]
+
+            def cut(t, lo=lo, hi=hi):
+                return t[:, lo:hi]
+
+            def single(op=op, **x):
+                return op.module.chunk(**x)
+
+            def parallel(op=op, **x):
+                return sequence_parallel_chunk(op, **x)
+
+            streamed = None
 
         o_ref, g_ref = step(single, full, do)
-        o, grads = step(parallel, mine, do[:, lo:hi])
-        errors = {"o": rel(o, o_ref[:, lo:hi]), **{f"d{n}": rel(grads[n], g_ref[n][:, lo:hi]) for n in grads}}
+        o, grads = step(parallel, mine, do_mine)
+        errors = {"o": rel(o, cut(o_ref)), **{f"d{n}": rel(grads[n], cut(g_ref[n])) for n in grads}}
         ok = max(errors.values()) < 2e-2  # bf16 outputs and gradients; the states are fp32 on both paths
         one = timed(lambda: step(single, full, do), args.reps)  # noqa: B023
-        many = timed(lambda: step(parallel, mine, do[:, lo:hi]), args.reps)  # noqa: B023
-        report = torch.tensor([one, many, float(ok)], device=device)
+        many = timed(lambda: step(parallel, mine, do_mine), args.reps)  # noqa: B023
+        other = timed(lambda: step(streamed, full, do), args.reps) if streamed is not None else 0.0  # noqa: B023
+        exposed = span = 0.0
+        if args.profile:
+            exposed, span = exposed_communication(lambda: step(parallel, mine, do_mine))  # noqa: B023
+        if args.kernels:  # every rank runs the parallel step (its collectives); rank 0 prints
+            listing = (f"{op_name}: rank 0's kernels, one GPU\n" + top_kernels(lambda: step(single, full, do))  # noqa: B023
+                       + "\n  parallel\n" + top_kernels(lambda: step(parallel, mine, do_mine)))  # noqa: B023
+            if rank == 0:
+                print(listing, flush=True)
+        report = torch.tensor([one, many, float(ok), other, exposed, span], device=device)
         rows = [torch.empty_like(report) for _ in range(world)]
         dist.all_gather(rows, report)
         if rank == 0:
@@ -103,6 +200,14 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                   f"(slowest rank) -> {statistics.median(ones) / max(manys):.2f}x; rank 0 vs one GPU: "
                   + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
                   + f"; check {'OK' if all(r[2].item() for r in rows) else 'FAILED'}", flush=True)
+            if streamed is not None:
+                other = statistics.median([r[3].item() for r in rows])
+                print(f"  one GPU in the streamed form the ring runs: {other:.2f} ms -> {other / max(manys):.2f}x",
+                      flush=True)
+            if args.profile:
+                print("  exposed communication (NCCL kernels alone), per rank: " + ", ".join(
+                    f"{r[4].item():.2f} of {r[5].item():.2f} ms ({100 * r[4].item() / max(r[5].item(), 1e-9):.1f}%)"
+                    for r in rows), flush=True)
     dist.destroy_process_group()
 
 
@@ -114,6 +219,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--port", type=int, default=29533)
+    parser.add_argument("--profile", action="store_true", help="exposed communication from the profiler")
+    parser.add_argument("--kernels", action="store_true", help="rank 0's top kernels, one GPU and parallel")
     args = parser.parse_args()
     mp.spawn(worker, args=(args.gpus, args), nprocs=args.gpus)
 

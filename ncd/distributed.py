@@ -1,5 +1,9 @@
-"""Sequence parallelism for the gated recurrences over torch.distributed: each rank holds a contiguous time shard of
-the same sequences, and the result on each rank is the single-device op's on its shard, forward and backward.
+"""Beyond one GPU over torch.distributed: context-parallel attention (`context_parallel_attention`, a ring derived
+from the certificate: ncd/families/attention/ring.py) and sequence-parallel gated recurrences
+(`sequence_parallel_chunk`). On each rank the result is the single-device op's on that rank's shard, forward and
+backward.
+
+Sequence parallelism: each rank holds a contiguous time shard of the same sequences.
 
 The state map of one shard is affine, S_out = A S_in + F, and for every decay-gated recurrence A is the shard's
 total decay: exp(sum of g) per head (simple GLA, Gated KalmaNet's two states, each with its own gate or none), per
@@ -29,12 +33,100 @@ import torch.nn.functional as F
 from torch.distributed.nn.functional import all_gather
 
 from ncd.errors import CallError
+from ncd.families.attention.ring import Sharding, zigzag_shard, zigzag_unshard
+from ncd.families.attention.runtime import AttentionOp
 from ncd.families.recurrence.runtime import GKAOp
 from ncd.families.recurrence.runtime_delta import DeltaRuleOp
 from ncd.families.recurrence.runtime_linear import LinearScanOp
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHAPE_SLOTS = 6  # dims recorded per tensor in the shard check (the recurrences' inputs have at most 4)
+
+
+__all__ = ["context_parallel_attention", "sequence_parallel_chunk", "zigzag_shard", "zigzag_unshard"]
+
+
+def context_parallel_attention(op: Any, *args: Any, group: Any = None, **kwargs: Any) -> Any:
+    """`op` (an `ncd.load`ed attention spec, or its `.module`) with its query and key axes sharded over the ranks of
+    `group` (default: the world). Arguments as the op's, on every rank, each sequence tensor holding this rank's
+    shard of the positions; the other axes whole and alike on every rank.
+
+    - Causal specs take the zigzag layout: the sequence cut into 2 P equal chunks (P ranks), rank r holding chunks r
+      and 2 P - 1 - r, concatenated, queries and keys alike (`zigzag_shard(x, dim, rank, P)`; `zigzag_unshard`
+      inverts it). So the length is a multiple of 2 P.
+    - Non-causal specs take any shards, of any lengths (each rank at least one position).
+
+    Returns the op's output on this rank's queries. Gradients reach every rank's inputs; every rank must run the
+    backward (it is a ring too). The shards are checked first, together (one all_gather): a rank whose shard
+    disagrees with rank 0's, or fails the op's own checks, raises the same CallError on every rank, naming the rank,
+    the tensor and the axis. Not yet carried: score and mask modifiers, sinks, return_lse, a per-key weight that
+    requires grad (CallError)."""
+    module = getattr(op, "module", op)
+    runtime = getattr(module, "_OP", None)
+    if not isinstance(runtime, AttentionOp):
+        raise CallError(None, detail=f"{getattr(module, 'NAME', module)}: context parallelism is for attention specs")
+    if group is None and not dist.is_initialized():
+        raise CallError(None, detail="context parallelism needs a process group: call "
+                        "torch.distributed.init_process_group first, or pass group=")
+    group = group if group is not None else dist.group.WORLD
+    fn = op.fn if hasattr(op, "fn") else module.Module()
+    call = inspect.signature(fn).bind(*args, **kwargs)
+    sharding = _check_context_shards(runtime, call.arguments, group)
+    return fn(*args, _group=sharding, **kwargs)
+
+
+def _check_context_shards(runtime: AttentionOp, given: dict, group: Any) -> Sharding:
+    """Every rank's tensors against rank 0's: the same dtypes and sizes but in the query and key axes (causal: those
+    too, an even length: the zigzag's two chunks), each passing the op's own checks. One all_gather of every rank's
+    shapes and dtypes (and, only where a rank failed its own checks, one all_gather_object of the messages); a
+    problem anywhere raises the same CallError on every rank. Returns the group with every rank's lengths."""
+    tensors = [(name, given.get(name), axes) for name, axes in runtime.inputs]
+    problem: Exception | None = None
+    try:
+        runtime.check(*(t for _, t, _ in tensors))  # type: ignore[arg-type]  # (a None fails the check)
+    except Exception as error:  # (relayed to every rank, raised as itself on this one)
+        problem = error
+    record = [int(problem is not None)]
+    for _, t, _ in tensors:
+        dims = list(t.shape)[:_SHAPE_SLOTS] if isinstance(t, torch.Tensor) else []
+        code = (_DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)) if isinstance(t, torch.Tensor) else -1
+        record += [code, len(dims), *dims, *[-1] * (_SHAPE_SLOTS - len(dims))]
+    device = next(t.device for _, t, _ in tensors if isinstance(t, torch.Tensor))
+    mine = torch.tensor(record, dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    table = torch.stack(rows).tolist()
+    if any(row[0] for row in table):  # the failing ranks' own messages, to every rank
+        messages: list[Any] = [None] * len(table)
+        text = problem.message if isinstance(problem, CallError) else str(problem)
+        dist.all_gather_object(messages, text if problem is not None else None, group=group)
+        r = next(r for r, row in enumerate(table) if row[0])
+        raise CallError(None, detail=f"rank {r}: {messages[r]}") from problem
+    causal = runtime.ns["KERNELS"].causal
+    width = 2 + _SHAPE_SLOTS
+    lengths: list[tuple[int, int]] = []
+    for r, row in enumerate(table):
+        found: dict[str, int] = {}
+        for i, (name, _, axes) in enumerate(tensors):
+            got, ref = row[1 + i * width:1 + (i + 1) * width], table[0][1 + i * width:1 + (i + 1) * width]
+            if got[0] != ref[0]:
+                raise CallError(None, detail=f"rank {r}: {name} has dtype {_dtype_name(got[0])}, rank 0's "
+                                f"{_dtype_name(ref[0])} (context-parallel shards must agree)")
+            for axis, size, want in zip(axes, got[2:2 + got[1]], ref[2:2 + ref[1]], strict=False):
+                sharded = axis in runtime.sequence
+                found.setdefault(axis, size)
+                if sharded and size < 1:
+                    raise CallError(None, detail=f"rank {r}: {name} holds no positions (axis '{axis}'); every rank "
+                                    "needs a shard")
+                if sharded and causal and (size != want or size % 2):
+                    raise CallError(None, detail=f"rank {r}: {name} has axis '{axis}' of size {size}, rank 0's "
+                                    f"{want}: causal context parallelism takes two equal chunks per rank, the same on "
+                                    "every rank (ncd.distributed.zigzag_shard)")
+                if not sharded and size != want:
+                    raise CallError(None, detail=f"rank {r}: {name} has axis '{axis}' of size {size}, rank 0's {want} "
+                                    "(shards differ in the query and key axes only)")
+        lengths.append((found[runtime.sequence[0]], found[runtime.sequence[1]]))
+    return Sharding(group, tuple(lengths))
 
 
 def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: Any) -> tuple:

@@ -142,7 +142,7 @@ def test_generated_code_is_readable_python_with_origins(op_cache):
     ast.parse(text)
     assert "# spherical_attention.ncd:16" in text  # the normalize line
     assert "tl.sqrt(z)" in text and "_attention.AttentionOp(" in text  # the op: ncd/op_runtime
-    assert list(inspect.signature(op.fn).parameters) == ["Q", "K", "V", "scale", "return_lse"]
+    assert list(inspect.signature(op.fn).parameters) == ["Q", "K", "V", "scale", "return_lse", "_group"]
     # the forward's autotune set is the plan's cost ranking, best first
     best = plan(op.front).estimates[0].config
     assert f"forward_tiles=(\n        ({best.block_m}, {best.block_n}, {best.num_warps}, {best.num_stages}),\n" in text

@@ -36,6 +36,7 @@ no gradient (FlexAttention's convention; docs/language.md).
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -1557,6 +1558,19 @@ class AttentionKernels:
         # real launch (the delta kernel zeroed it before the first).
         self.bwd_fused_kernel = autotuned(bwd_fused_kernel, tile_configs("fused", c.fused_tiles), key,
                                           reset_to_zero=["DQA"])
+
+    def without_causal(self) -> AttentionKernels:
+        """These kernels with the causal flag off, sharing everything else (context parallelism's blocks of keys
+        that wholly precede their queries: ring.py)."""
+        if not self.causal:
+            return self
+        other = copy.copy(self)
+        other.causal = False
+        other.flags = {**self.flags, "CAUSAL": False}
+        other.spec = {**self.spec, "CAUSAL": False}
+        other.forward_spec = {**self.forward_spec, "CAUSAL": False}
+        other.spec_without_grads = {**self.spec_without_grads, "CAUSAL": False}
+        return other
 
     # -- allocation and copies ----------------------------------------------------------------------------------
 

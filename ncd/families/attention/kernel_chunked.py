@@ -580,6 +580,14 @@ def fact_dkdv_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
+def add_states(states: tuple, incoming: tuple) -> None:
+    """Add the incoming totals (fp32, one per batch * kv head) to every state of each of `states` in place (h in
+    its own dtype: rounded once)."""
+    for state, extra in zip(states, incoming, strict=True):
+        if state is not None and extra is not None:
+            state.add_(extra.unsqueeze(1))  # (one pass: the sum in fp32, rounded to the state's dtype)
+
+
 def _same_widths(head_dim: int, v: torch.Tensor) -> None:
     """The factorized form's states are [D, 2D]: V as wide as Q and K (the planner offers the form only to specs
     whose V width is the head dim's)."""
@@ -616,10 +624,34 @@ class FactorizedAttentionKernels(AttentionKernels):
         n_bwd = triton.cdiv(n_k, chunk)  # state t: queries of chunks > t, for each key chunk
         return n_fwd, n_fwd - 1, n_bwd, max(triton.cdiv(n_q, chunk), n_bwd)
 
+    def key_states(self, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_states: int, n_steps: int,
+                   store_all: bool, dtype: torch.dtype) -> tuple:
+        """(h, vec, wsum) of the keys: [B * Hkv, n_states, tile, 2 tile] in dtype, the vector sums and weight sums
+        fp32 (None where the coefficients need none); store_all: the state before each chunk (causal), else the
+        total over all keys once."""
+        batch, hkv, n_k, head_dim = k.shape
+        tile = head_tile(head_dim)  # the states are tile x 2 tile: the columns past head_dim stay zero
+        h = self.new((batch * hkv, n_states, tile, 2 * tile), dtype, k.device)
+        vec = self.new((batch * hkv, n_states, 2 * tile), torch.float32, k.device) if self.need_vec else None
+        wsum = self.new((batch * hkv, n_states), torch.float32, k.device) if self.has_wsum else None
+        w_arg, w_strides = weight_arg(w, k)
+
+        def grid_state(meta: dict) -> tuple:
+            return (2 * tile // meta["BV"], tile // meta["BK"], batch * hkv)
+
+        # (h stands in for the vector sums and the weight sums where the coefficients need none)
+        fast(self.fact_state_fwd_kernel)[grid_state](
+            k, v, w_arg, h, h if vec is None else vec, h if wsum is None else wsum, *k.stride(), *v.stride(),
+            *w_strides, hkv, n_k, n_states, n_steps, bucket(n_steps), bucket(batch * hkv),
+            HEAD_DIM=tile, D=head_dim, CHUNK=self.chunk, STORE_ALL=store_all, PRECISION=self.precision(k.dtype),
+            **self.fact_spec,
+        )
+        return h, vec, wsum
+
     def forward_factorized(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None = None,
                            scale: float | None = None) -> tuple:
         """o as `forward` computes it, by the factorized form; returns (o, (z, h, vec)) for backward_factorized."""
-        batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
+        _, _, _, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         _same_widths(head_dim, v)
         limit = self.config.fact_max_head_dim
         if head_tile(head_dim) > limit:
@@ -628,91 +660,127 @@ class FactorizedAttentionKernels(AttentionKernels):
         scale = head_dim**-0.5 if scale is None else float(scale)
         chunk = self.chunk
         n_states, n_steps, _, _ = self.states(n_q, n_k, chunk)
+        h, vec, wsum = self.key_states(k, v, w, n_states, n_steps, self.causal, q.dtype)
+        o, z = self.factorized_output(q, k, v, w, scale, h, vec, wsum)
+        return o, (z, h, vec)
+
+    def factorized_output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None,
+                          scale: float, h: torch.Tensor, vec: torch.Tensor | None, wsum: torch.Tensor | None,
+                          out: torch.Tensor | None = None) -> tuple:
+        """(o, z) from the keys' states (`key_states`: query chunk t reads state t; states past the last chunk's,
+        such as a stored total, are not read). out: o's storage (any strides), else a new tensor."""
+        batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         w_arg, w_strides = weight_arg(w, q)
-        tile = head_tile(head_dim)  # the states are tile x 2 tile: the columns past head_dim stay zero
-        h = self.new((batch * hkv, n_states, tile, 2 * tile), q.dtype, q.device)
-        # h stands in for the vector sums and the weight sums where the coefficients need none
-        vec = self.new((batch * hkv, n_states, 2 * tile), torch.float32, q.device) if self.need_vec else h
-        wsum = self.new((batch * hkv, n_states), torch.float32, q.device) if self.has_wsum else h
-        precision = self.precision(q.dtype)
-
-        def grid_state(meta: dict) -> tuple:
-            return (2 * tile // meta["BV"], tile // meta["BK"], batch * hkv)
-
-        fast(self.fact_state_fwd_kernel)[grid_state](
-            k, v, w_arg, h, vec, wsum, *k.stride(), *v.stride(), *w_strides,
-            hkv, n_k, n_states, n_steps, bucket(n_steps), bucket(batch * hkv),
-            HEAD_DIM=tile, D=head_dim, CHUNK=chunk, STORE_ALL=self.causal, PRECISION=precision, **self.fact_spec,
-        )
-        o = self.new((batch, hq, n_q, head_dim), q.dtype, q.device)
+        o = self.new((batch, hq, n_q, head_dim), q.dtype, q.device) if out is None else out
         z = self.new((batch, hq, n_q), torch.float32, q.device)
 
         def grid(meta: dict) -> tuple:
             return (triton.cdiv(n_q, meta["BLOCK_M"]), batch * hq)
 
         fast(self.fact_fwd_kernel)[grid](
-            q, k, v, w_arg, h, vec, wsum, o, z,
+            q, k, v, w_arg, h, h if vec is None else vec, h if wsum is None else wsum, o, z,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *w_strides,
-            scale, hq, hq // hkv, n_q, n_k, n_states, bucket(n_q), bucket(n_k), bucket(batch * hq),
-            HEAD_DIM=tile, D=head_dim, PRECISION=precision, CHUNK=chunk, UNIT_SCALE=scale == 1.0, **self.fact_spec,
+            scale, hq, hq // hkv, n_q, n_k, h.shape[1], bucket(n_q), bucket(n_k), bucket(batch * hq),
+            HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), CHUNK=self.chunk,
+            UNIT_SCALE=scale == 1.0, **self.fact_spec,
         )
-        return o, (z, h, vec if self.need_vec else None)
+        return o, z
 
     def backward_factorized(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             o: torch.Tensor, stats: tuple, w: torch.Tensor | None = None,
                             scale: float | None = None) -> tuple:
         """(dq, dk, dv) of <do, o>; stats as returned by forward_factorized."""
+        dq, delta = self.factorized_dq(do, q, k, v, o, stats, w, scale)
+        n_states_b, n_steps_b = self.states(q.shape[2], k.shape[2], self.chunk)[2:]
+        hb, vecb = self.query_states(q, do, stats[0], delta, k.shape[1], n_states_b, n_steps_b, self.causal, q.dtype)
+        dk, dv = self.factorized_dkdv(do, q, k, v, stats[0], delta, hb, vecb, w, scale)
+        return dq, dk, dv
+
+    def factorized_dq(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      stats: tuple, w: torch.Tensor | None = None, scale: float | None = None,
+                      out: torch.Tensor | None = None) -> tuple:
+        """(dq, delta): the first half of backward_factorized (delta: fp32 [B, Hq, N_Q], what the rest reads).
+        out: dq's storage, else a new tensor."""
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         _same_widths(head_dim, v)
         scale = head_dim**-0.5 if scale is None else float(scale)
         z, h, vec = stats
-        vec = vec if self.need_vec else h
-        chunk = self.chunk
-        n_states, _, n_states_b, n_steps_b = self.states(n_q, n_k, chunk)
-        if h.shape[1] != n_states:
+        n_states = self.states(n_q, n_k, self.chunk)[0]
+        if h.shape[1] not in (n_states, n_states + self.causal):  # (+ 1: a stored total, context parallelism)
             raise ValueError(f"stats were computed with another CHUNK ({h.shape[1]} states, {n_states} expected)")
         w_arg, w_strides = weight_arg(w, q)
-        precision = self.precision(q.dtype)
-        tile = head_tile(head_dim)
         if do.dtype != q.dtype:
             do = do.to(q.dtype)
-
         delta = self.new((batch, hq, n_q), torch.float32, q.device)
-        dq = self.new(q.shape, q.dtype, q.device)
+        dq = self.new(q.shape, q.dtype, q.device) if out is None else out
 
         def grid_q(meta: dict) -> tuple:
             return (triton.cdiv(n_q, meta["BLOCK_M"]), batch * hq)
 
         fast(self.fact_dq_kernel)[grid_q](
-            q, k, v, w_arg, do, o, z, h, vec, delta, dq,
+            q, k, v, w_arg, do, o, z, h, h if vec is None or not self.need_vec else vec, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *o.stride(), *dq.stride(), *w_strides,
-            scale, hq, hq // hkv, n_q, n_k, n_states, bucket(n_q), bucket(n_k), bucket(batch * hq),
-            HEAD_DIM=tile, D=head_dim, PRECISION=precision, CHUNK=chunk, **self.fact_spec,
+            scale, hq, hq // hkv, n_q, n_k, h.shape[1], bucket(n_q), bucket(n_k), bucket(batch * hq),
+            HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), CHUNK=self.chunk,
+            **self.fact_spec,
         )
-        hb = self.new((batch * hkv, n_states_b, tile, 2 * tile), q.dtype, q.device)
-        vecb = self.new((batch * hkv, n_states_b, 2 * tile), torch.float32, q.device) if self.need_vec else hb
+        return dq, delta
+
+    def query_states(self, q: torch.Tensor, do: torch.Tensor, z: torch.Tensor, delta: torch.Tensor, hkv: int,
+                     n_states: int, n_steps: int, store_all: bool, dtype: torch.dtype) -> tuple:
+        """(hb [B * Hkv, n_states, tile, 2 tile] in dtype, vecb fp32 or None) of the queries, summed over the query
+        heads of each of the hkv kv heads (the backward's reverse scan; store_all: the state after each chunk,
+        causal; else the total once)."""
+        batch, hq, n_q, head_dim = q.shape
+        tile = head_tile(head_dim)
+        if do.dtype != q.dtype:
+            do = do.to(q.dtype)
+        hb = self.new((batch * hkv, n_states, tile, 2 * tile), dtype, q.device)
+        vecb = self.new((batch * hkv, n_states, 2 * tile), torch.float32, q.device) if self.need_vec else None
 
         def grid_state(meta: dict) -> tuple:
             return (2 * tile // meta["BV"], tile // meta["BK"], batch * hkv)
 
         fast(self.fact_state_bwd_kernel)[grid_state](
-            q, do, z, delta, hb, vecb, *q.stride(), *do.stride(),
-            hq, hq // hkv, n_q, n_states_b, n_steps_b, bucket(n_steps_b), bucket(batch * hkv),
-            HEAD_DIM=tile, D=head_dim, CHUNK=chunk, STORE_ALL=self.causal, PRECISION=precision, **self.fact_spec,
+            q, do, z, delta, hb, hb if vecb is None else vecb, *q.stride(), *do.stride(),
+            hq, hq // hkv, n_q, n_states, n_steps, bucket(n_steps), bucket(batch * hkv),
+            HEAD_DIM=tile, D=head_dim, CHUNK=self.chunk, STORE_ALL=store_all, PRECISION=self.precision(q.dtype),
+            **self.fact_spec,
         )
-        dk = self.new(k.shape, k.dtype, k.device)
-        dv = self.new(v.shape, v.dtype, v.device)
+        return hb, vecb
+
+    def query_total(self, q: torch.Tensor, do: torch.Tensor, z: torch.Tensor, delta: torch.Tensor, hkv: int) -> tuple:
+        """(hb, vecb) over all of these queries, fp32, one state: what a shard adds to the keys before it."""
+        hb, vecb = self.query_states(q, do, z, delta, hkv, 1, triton.cdiv(q.shape[2], self.chunk), False,
+                                     torch.float32)
+        return hb[:, 0], None if vecb is None else vecb[:, 0]
+
+    def factorized_dkdv(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor,
+                        delta: torch.Tensor, hb: torch.Tensor, vecb: torch.Tensor | None, w: torch.Tensor | None = None,
+                        scale: float | None = None, out: tuple | None = None) -> tuple:
+        """(dk, dv) from the queries' states (query_states, plus any incoming): the rest of backward_factorized.
+        out: (dk, dv)'s storage, else new tensors."""
+        batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
+        scale = head_dim**-0.5 if scale is None else float(scale)
+        w_arg, w_strides = weight_arg(w, q)
+        if do.dtype != q.dtype:
+            do = do.to(q.dtype)
+        if out is None:
+            dk, dv = self.new(k.shape, k.dtype, k.device), self.new(v.shape, v.dtype, v.device)
+        else:
+            dk, dv = out
 
         def grid_k(meta: dict) -> tuple:
             return (triton.cdiv(n_k, meta["BLOCK_N"]), batch * hkv)
 
         fast(self.fact_dkdv_kernel)[grid_k](
-            q, k, v, w_arg, do, z, delta, hb, vecb, dk, dv,
+            q, k, v, w_arg, do, z, delta, hb, hb if vecb is None else vecb, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *w_strides,
-            scale, hq, hkv, hq // hkv, n_q, n_k, n_states_b, bucket(n_q), bucket(n_k), bucket(batch * hq),
-            HEAD_DIM=tile, D=head_dim, PRECISION=precision, CHUNK=chunk, **self.fact_spec,
+            scale, hq, hkv, hq // hkv, n_q, n_k, hb.shape[1], bucket(n_q), bucket(n_k), bucket(batch * hq),
+            HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), CHUNK=self.chunk,
+            **self.fact_spec,
         )
-        return dq, dk, dv
+        return dk, dv
 
     def factorized_backward_from_saved(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                        w: torch.Tensor | None, o: torch.Tensor, z: torch.Tensor, h: torch.Tensor,

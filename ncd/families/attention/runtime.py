@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ncd import runtime as rt
-from ncd.families.attention import kernel_decode, kernel_sink, mask_table
+from ncd.families.attention import kernel_decode, kernel_sink, mask_table, ring
 from ncd.op_runtime import Arg, KernelOp
 
 _ARGS = [Arg("q", grad=True), Arg("k", grad=True), Arg("v", grad=True), Arg("w", "Tensor?", grad=True),
@@ -34,8 +34,10 @@ class AttentionOp:
                  modifiers: tuple[Sequence[tuple[str, int, bool]], Sequence[str], Sequence[str],
                                   Sequence[tuple[str, str]]] = ((), (), (), ()),
                  sink: tuple[str | None, tuple[int, ...], float, bool] | None = None,
-                 tables: tuple[bool, bool] | None = None, stat_rate: float = 0.0) -> None:
+                 tables: tuple[bool, bool] | None = None, stat_rate: float = 0.0,
+                 sequence: tuple[str, str] = ("", "")) -> None:
         self.spec_name, self.ns, self.axes = spec_name, namespace, axes
+        self.sequence = sequence  # the query and key axes (what context parallelism shards)
         # the score and mask hooks' inputs (modifiers.py): tensors (name, dimensions, takes a gradient), scalar
         # inputs, and the axes whose sizes they read; after (q, k, v, w, scale) in that order
         tensors, scalars, sizes, layout = modifiers
@@ -290,6 +292,21 @@ class AttentionOp:
         self._checked.put(signature, sizes)
         return sizes
 
+    def _context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None,
+                          scale: float, return_lse: bool, group: Any) -> torch.Tensor:
+        """ring.context_parallel after the refusals of what the ring does not carry yet."""
+        modified = self.ns["KERNELS"].modified
+        refusal = ("score or mask modifiers (their hooks read positions within one device's sequence)" if modified
+                   else "a sink" if self.sink is not None else "return_lse" if return_lse
+                   else f"a per-key weight '{self.weight}' that requires grad" if w is not None and w.requires_grad
+                   else None)
+        if refusal is not None:
+            raise rt.CallError(None, detail=f"{self.spec_name}: context parallelism does not take {refusal} yet")
+        tile = self.ns["head_tile"](q.shape[3])
+        factorized = None if self.factorized is None else lambda n_q, n_k: self.ns["_use_factorized"](n_q, n_k, tile)
+        return ring.context_parallel(self.ns["KERNELS"], q, k, v, w, scale, group, (self.query, self.key),
+                                     factorized)
+
     def _kernel_weight(self, w: torch.Tensor | None, sizes: Mapping[str, int]) -> torch.Tensor | None:
         """The weight as [batch key] float32: a [key] weight is shared by the batch."""
         if w is None:
@@ -302,9 +319,10 @@ class AttentionOp:
         return w.to(torch.float32)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, scale: Any,
-                 sizes: Mapping[str, int], *mods: Any, return_lse: bool = False) -> Any:
+                 sizes: Mapping[str, int], *mods: Any, return_lse: bool = False, group: Any = None) -> Any:
         """The output; with return_lse, (output, lse) where lse is the log of each row's sum z (FlashAttention's
-        log-sum-exp for softmax) over the output's axes other than the value width, differentiable."""
+        log-sum-exp for softmax) over the output's axes other than the value width, differentiable. group: context
+        parallelism over that process group (ring.py), each rank holding a shard of the query and key axes."""
         if self.weight is not None and w is not None and torch.compiler.is_compiling():
             # the weight's gradient kernel runs in eager backwards only
             rt.check_constant(self.weight, w, "the per-key weight under torch.compile")
@@ -320,6 +338,8 @@ class AttentionOp:
         else:
             kernel_scale = float(scale)
         inverse = self.perms["o_inverse"]
+        if group is not None:
+            return self._context_parallel(kq, kk, kv, kw, kernel_scale, return_lse, group).permute(inverse)
         rows = [d for d in inverse if d != 3]  # lse: the output's axes without the value width, in the spec's order
         if 0 in kq.shape or 0 in kk.shape:  # empty batch, heads, queries, keys or head dim: nothing to launch
             # (no keys: every row is masked, so 0, as docs/language.md defines; its lse is -inf)

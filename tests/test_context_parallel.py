@@ -1,0 +1,187 @@
+"""Context-parallel attention (ncd/families/attention/ring.py) on spawned gloo process groups of 2 and 4 ranks,
+kernels in the interpreter: each rank's output and the gradients of its shard equal the single-process op's on the
+whole sequence (fp32, 1e-5 relative). Causal specs in the zigzag layout with chunks of odd length; a non-causal
+spec with uneven shards; GQA with a per-key weight; a wrong shard fails on every rank naming rank, tensor, axis."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+D, B, H = 16, 1, 2
+
+
+def _load(name: str, cache: str):
+    """The op; "+factorized": with its factorized form forced (at these sizes the op would stream)."""
+    import ncd
+    from ncd.ops import shipped_spec
+
+    base, _, form = name.partition("+")
+    op = ncd.load(shipped_spec(base), cache_dir=cache, sizes={"dim": D})
+    return op.with_config(factorize="always") if form else op
+
+
+def _inputs(name: str, n: int) -> dict:
+    name, _, form = name.partition("+")
+    gen = torch.Generator().manual_seed(5)
+    kv_heads = 1 if name == "causal_gqa_spherical" else H
+    # the factorized form batches a rank's two segments: views of the shard at batch 1 (GQA's case), copies at 2
+    b = 2 if form and name != "causal_gqa_spherical" else B
+    x = {"Q": torch.randn(b, H, n, D, generator=gen), "K": torch.randn(b, kv_heads, n, D, generator=gen),
+         "V": torch.randn(b, kv_heads, n, D, generator=gen)}
+    if name == "causal_gqa_spherical":  # Q [batch head query dim], head = kvhead * qgroup; a multiplicity per key
+        x["M"] = torch.rand(b, n, generator=gen) + 0.5
+    if name == "causal_softmax_attention":  # a tensor scale takes a gradient (spherical's would be 0: it cancels)
+        x["scale"] = torch.tensor(0.3)
+    return x
+
+
+def _seq_dim(name: str, t: str) -> int:
+    return {"Q": 2, "K": 2, "V": 2, "M": 1}[t]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _worker(rank: int, world: int, name: str, shards: list, init: str, cache: str, errors: str) -> None:
+    try:
+        os.environ["TRITON_INTERPRET"] = "1"
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        _compare(rank, world, name, shards, cache)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _shard(name: str, full: dict, rank: int, world: int, shards: list, causal: bool) -> dict:
+    from ncd.distributed import zigzag_shard
+
+    lo, hi = sum(shards[:rank]), sum(shards[:rank + 1])
+    out = {}
+    for n, t in full.items():
+        if t.dim() == 0:
+            out[n] = t
+        elif causal:
+            out[n] = zigzag_shard(t, _seq_dim(name, n), rank, world)
+        else:
+            out[n] = t.narrow(_seq_dim(name, n), lo, hi - lo)
+    return out
+
+
+def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None:
+    from ncd.distributed import context_parallel_attention
+
+    op = _load(name, cache)
+    causal = op.module.KERNELS.causal
+    if "+" in name:  # the states' form ran, not the ring (ring.py)
+        from ncd.families.attention import ring
+        calls = []
+        original = ring.FactorizedContextParallel.apply
+        ring.FactorizedContextParallel.apply = lambda *a: calls.append(1) or original(*a)
+    full = _inputs(name, sum(shards))
+    ref = {n: t.clone().requires_grad_(n != "M") for n, t in full.items()}
+    o_ref = op(**ref)
+    do = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(9))
+    (o_ref * do).sum().backward()
+
+    mine = {n: t.detach().clone().requires_grad_(n != "M")
+            for n, t in _shard(name, full, rank, world, shards, causal).items()}
+    o = context_parallel_attention(op, **mine)
+    if "+" in name:
+        assert calls, "the factorized form's context parallelism did not run"
+    out_dim = _seq_dim(name, "Q")
+    do_mine = _shard(name, {"Q": do}, rank, world, shards, causal)["Q"]
+    (o * do_mine).sum().backward()
+    errors = {"o": _rel(o, _shard(name, {"Q": o_ref}, rank, world, shards, causal)["Q"])}
+    assert o.shape == do_mine.shape and out_dim == _seq_dim(name, "Q")
+    for n, t in mine.items():
+        if n == "M":
+            continue
+        if t.dim() == 0:  # a scale every shard reads: the ranks' gradients sum to it
+            grad = t.grad.clone()
+            dist.all_reduce(grad)
+            errors[f"d{n}"] = _rel(grad, ref[n].grad)
+        else:
+            errors[f"d{n}"] = _rel(t.grad, _shard(name, {n: ref[n].grad}, rank, world, shards, causal)[n])
+    bad = {n: e for n, e in errors.items() if not e < 1e-5}
+    assert not bad, f"rank {rank} of {world}, shards {shards}: {bad} (all: {errors})"
+
+
+def _spawn(tmp_path: Path, world: int, name: str, shards: list, target=_worker) -> None:
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    init = f"file://{tmp_path / 'pg'}"
+    try:
+        mp.spawn(target, args=(world, name, shards, init, str(tmp_path / "cache"), str(errors)), nprocs=world)
+    except Exception as e:
+        reports = "\n".join(p.read_text() for p in sorted(errors.iterdir()))
+        raise AssertionError(f"a rank failed:\n{reports}") from e
+
+
+@pytest.mark.parametrize("name, shards", [("causal_softmax_attention", [10, 10]),
+                                          ("causal_spherical_attention", [6, 6, 6, 6]),
+                                          ("signed_l1_attention", [7, 12]),
+                                          ("causal_gqa_spherical", [14, 14]),
+                                          ("causal_spherical_attention+factorized", [38, 38]),
+                                          ("spherical_attention+factorized", [9, 20, 13]),
+                                          ("causal_gqa_spherical+factorized", [10, 10, 10, 10])])
+def test_context_parallel_equals_the_single_process_op(tmp_path, name, shards):
+    """Output and every gradient per rank against the whole-sequence op. The ring: the running max's merge
+    (softmax, and its scale's gradient summed over the ranks), a nonlinear normaliser (spherical's sqrt), a
+    non-causal spec on uneven shards, GQA with a per-key weight that travels with the keys; causal chunks of odd
+    length (5, 3, 7). The factorized form's states: zigzag chunks of 19 (past the interpreter's 16-key chunk),
+    uneven non-causal shards, GQA with a weight."""
+    _spawn(tmp_path, len(shards), name, shards)
+
+
+def _bad_shard_worker(rank: int, world: int, name: str, shards: list, init: str, cache: str, errors: str) -> None:
+    try:
+        _bad_shards(rank, world, name, init, cache)
+    except BaseException:
+        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None:
+    from ncd.distributed import context_parallel_attention
+    from ncd.errors import CallError
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    op = _load(name, cache)
+    x = _inputs(name, 6)
+    half = {n: t.to(torch.bfloat16) for n, t in x.items()}
+    cases = [({"K": x["K"][:, :1]}, r"rank 1: K: axis 'head' has size 1, but Q has 2"),  # the op's own check
+             ({"V": x["V"].double()}, r"rank 1: V has dtype torch\.float64; expected"),
+             (half, r"rank 1: Q has dtype torch\.bfloat16, rank 0's torch\.float32"),
+             ({n: x[n].repeat(1, 1, 2, 1)[:, :, :10] for n in "QKV"},
+              r"rank 1: Q has axis 'query' of size 10, rank 0's 6: causal context parallelism takes two equal"),
+             ({n: x[n][:, :1] for n in "QKV"}, r"rank 1: Q has axis 'head' of size 1, rank 0's 2 \(shards differ")]
+    for bad, message in cases:
+        given = dict(x, **bad) if rank == 1 else x
+        with pytest.raises(CallError, match=message):
+            context_parallel_attention(op, **given)
+    # what the ring does not carry is refused before any collective, on each rank alone
+    with pytest.raises(CallError, match="does not take return_lse"):
+        context_parallel_attention(op, **x, return_lse=True)
+    alibi = {n: torch.randn(B, H, 4, D) for n in "QKV"}
+    with pytest.raises(CallError, match="does not take score or mask modifiers"):
+        context_parallel_attention(_load("alibi_softmax", cache), **alibi, slope=torch.rand(H))
+    dist.destroy_process_group()
+
+
+def test_a_wrong_shard_fails_on_every_rank_naming_rank_tensor_and_axis(tmp_path):
+    _spawn(tmp_path, 2, "causal_softmax_attention", [6, 6], target=_bad_shard_worker)
