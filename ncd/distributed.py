@@ -9,17 +9,18 @@ The state map of one shard is affine, S_out = A S_in + F, and for every decay-ga
 total decay: exp(sum of g) per head (simple GLA, Gated KalmaNet's two states, each with its own gate or none), per
 key row (GLA's per-key gate) or exp(g T_shard) (RetNet's constant decay). So:
 
-1. each rank but the last computes F_r, the state its shard ends in from a zero state (rank 0: from the given
-   initial state), and G_r, its shard's log decay total. Gated linear attention's F is one weighted product,
-   sum_t exp(g_(t+1) + ... + g_T) k_t v_t^T (the family's update is exactly exp(g) prev + v k); Gated KalmaNet's
-   comes from its own chunked op with no Chebyshev steps (the states do not depend on the solve, and its beta
-   scalings are the spec's);
-2. one all_gather of (F_r, G_r) (torch.distributed.nn.functional: differentiable; its backward is one all-to-all);
-3. rank r folds the shards before it, S_in = exp(G_j) S_in + F_j for j < r, and runs the chunked op on its shard
-   from S_in.
+- Gated linear attention (simple GLA, GLA, RetNet): its outputs are linear in the incoming state too, so every
+  rank runs the chunked op on its shard at once, from zero (rank 0: from the given initial state), which also gives
+  F_r, its end state. One all_gather of (F_r, G_r), the shard's log decay total (torch.distributed.nn.functional:
+  differentiable; its backward is one all-to-all); rank r folds the shards before it, S_in = exp(G_j) S_in + F_j
+  for j < r, and adds what S_in gives: o_t += scale (q_t * exp(g_1 + ... + g_t))^T S_in, and its end state
+  exp(G_r) S_in + F_r.
+- Gated KalmaNet: its solve reads the whole state, so the incoming state must come first. Each rank but the last
+  computes F_r with its own chunked op and no Chebyshev steps (the states do not depend on the solve, and its beta
+  scalings are the spec's), one all_gather, the fold, then the chunked op on the shard from S_in.
 
-The result is exact: the last step is the single-device recurrence from the exact incoming state (Gated KalmaNet's
-solve reads the full prefix state, as it must). The delta rules' A is a matrix, not a decay, and is refused here.
+Either way the result is the single-device recurrence's. The delta rules' A is a matrix, not a decay, and is
+refused here.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.nn.functional import all_gather
 
 from ncd.errors import CallError
@@ -59,8 +59,9 @@ def context_parallel_attention(op: Any, *args: Any, group: Any = None, **kwargs:
     Returns the op's output on this rank's queries. Gradients reach every rank's inputs; every rank must run the
     backward (it is a ring too). The shards are checked first, together (one all_gather): a rank whose shard
     disagrees with rank 0's, or fails the op's own checks, raises the same CallError on every rank, naming the rank,
-    the tensor and the axis. Not yet carried: score and mask modifiers, sinks, return_lse, a per-key weight that
-    requires grad (CallError)."""
+    the tensor and the axis. Sinks and return_lse are carried (the latter on the ring only: CallError where the op
+    would run its factorized form). Not yet carried: score and mask modifiers, a per-key weight that requires grad
+    (CallError)."""
     module = getattr(op, "module", op)
     runtime = getattr(module, "_OP", None)
     if not isinstance(runtime, AttentionOp):
@@ -162,25 +163,44 @@ def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: An
         return chunk(**{**given, "initial_state": initial_state, "output_final_state": final, **knobs})
 
     start = initial if rank == 0 else None
-    if rank == world - 1:  # nobody reads the last shard's end state: zeros of the states' shapes
-        ends = [torch.zeros(_state_shape(runtime, given, i), device=given["q"].device) for i in range(states)]
-    elif isinstance(runtime, GKAOp):
-        ends = list(run(start, True, num_iter=0)[1])
-    else:
-        ends = [_linear_end_state(runtime, given, start)]
     decays = _log_decays(runtime, given)
-    packed = torch.cat([t.float().reshape(-1) for t in (*ends, *decays)])
-    gathered = all_gather(packed, group=group)
-    incoming = _fold(gathered[:rank], [e.shape for e in ends], [d.shape for d in decays])
-    if rank > 0:
-        start = tuple(incoming) if states > 1 else incoming[0]
-    o, final = run(start, want_final)
+    if isinstance(runtime, GKAOp):  # the solve reads the whole state: the incoming state must come first
+        if rank == world - 1:  # nobody reads the last shard's end state: zeros of the states' shapes
+            ends = [torch.zeros(_state_shape(runtime, given, i), device=given["q"].device) for i in range(states)]
+        else:
+            ends = list(run(start, True, num_iter=0)[1])
+        gathered = all_gather(torch.cat([t.float().reshape(-1) for t in (*ends, *decays)]), group=group)
+        incoming = _fold(gathered[:rank], [e.shape for e in ends], [d.shape for d in decays])
+        if rank > 0:
+            start = tuple(incoming)
+        o, final = run(start, want_final)
+    else:  # linear in the state: every shard runs at once from zero, then adds what the incoming state gives
+        o, end = run(start, True)
+        gathered = all_gather(torch.cat([t.float().reshape(-1) for t in (end, *decays)]), group=group)
+        final = end
+        if rank > 0:
+            (incoming_state,) = _fold(gathered[:rank], [end.shape], [d.shape for d in decays])
+            o = o + _incoming_output(runtime, given, incoming_state).to(o.dtype)
+            final = torch.exp(decays[0]) * incoming_state + end
     o = _Tie.apply(o, *gathered)  # every rank's backward reaches the gather, so its all-to-all runs on every rank
     if not want_final:
         final = None
     elif isinstance(final, list):
         final = tuple(final)
     return o, final
+
+
+def _incoming_output(runtime: Any, given: dict, state: torch.Tensor) -> torch.Tensor:
+    """What an incoming state S [B, H, K, V] adds to gated linear attention's outputs on this shard: o_t gains
+    scale (q_t * exp(g_1 + ... + g_t))^T S (S_t = exp(g_t) S_(t-1) + k_t v_t^T is linear in S_0), fp32."""
+    q = given["q"]
+    sizes = runtime._check(q, given["k"], given["v"], given.get("g"), None, None, None, None,
+                           given.get("chunk_size") or runtime.chunk_size)
+    scale, scale_tensor = runtime._kernel_scale(given.get("scale"), sizes)
+    g = _linear_gates(runtime, given).cumsum(1)  # [B, T, H] or, per key, [B, T, H, K]
+    decayed = q.float() * torch.exp(g if g.dim() == 4 else g[..., None])
+    out = torch.einsum("bthk,bhkv->bthv", decayed, state) * scale
+    return out if scale_tensor is None else out * scale_tensor
 
 
 def _state_count(runtime: Any) -> int:
@@ -204,40 +224,6 @@ def _linear_gates(runtime: Any, given: dict) -> torch.Tensor:
     if runtime.roles.gate_per_head:  # RetNet: g [H], the same decay at every token
         return g.float().reshape(1, 1, H).expand(B, T, H)
     return g.float()
-
-
-def _linear_end_state(runtime: Any, given: dict, start: Any) -> torch.Tensor:
-    """The state [B, H, K, V] (fp32) after this shard, from `start` (None: zeros): sum_t exp(g_(t+1) + ... + g_T)
-    k_t v_t^T (+ exp(g_1 + ... + g_T) start). The sums run from the end, so a reset (g = -inf) gives zero weights,
-    never -inf - (-inf)."""
-    q, k, v = given["q"], given["k"], given["v"]
-    group = q.shape[2] // k.shape[2]  # GQA: a state per query head
-    if group > 1:
-        k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    g = _linear_gates(runtime, given)
-    suffix = g.flip(1).cumsum(1).flip(1)  # g_t + ... + g_T
-    after = torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], 1)  # g_(t+1) + ... + g_T
-    weighted = k.float() * torch.exp(after if g.dim() == 4 else after[..., None])
-    end = _sum_over_time(weighted, v.float())
-    if start is not None:
-        B, H = end.shape[:2]
-        end = end + torch.exp(suffix[:, 0]).reshape(B, H, -1, 1) * start
-    return end
-
-
-def _sum_over_time(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum_t a_t b_t^T, [B, T, H, K] x [B, T, H, V] -> [B, H, K, V] (fp32), as products over blocks of at least 1024
-    tokens summed after: one product over all of T has B H output tiles to share the GPU, each reducing T. H100,
-    T 32768, H 16: the single product made simple GLA's sequence-parallel step 0.49x one GPU
-    (bench/log/2026-11-27-issue33-s7.md)."""
-    B, T, H, K = a.shape
-    block = T if T <= 1024 else max(1024, -(-T // 64))
-    pad = -T % block
-    if pad:
-        a, b = F.pad(a, (0, 0, 0, 0, 0, pad)), F.pad(b, (0, 0, 0, 0, 0, pad))
-    blocks = (T + pad) // block
-    return torch.einsum("bcthk,bcthv->bchkv", a.reshape(B, blocks, block, H, K),
-                        b.reshape(B, blocks, block, H, b.shape[-1])).sum(1)
 
 
 def _log_decays(runtime: Any, given: dict) -> list[torch.Tensor]:

@@ -19,13 +19,14 @@ D, B, H = 16, 1, 2
 
 
 def _load(name: str, cache: str):
-    """The op; "+factorized": with its factorized form forced (at these sizes the op would stream)."""
+    """The op; "+factorized": with its factorized form forced (at these sizes the op would stream); "+lse": called
+    with return_lse."""
     import ncd
     from ncd.ops import shipped_spec
 
     base, _, form = name.partition("+")
     op = ncd.load(shipped_spec(base), cache_dir=cache, sizes={"dim": D})
-    return op.with_config(factorize="always") if form else op
+    return op.with_config(factorize="always") if form == "factorized" else op
 
 
 def _inputs(name: str, n: int) -> dict:
@@ -33,13 +34,15 @@ def _inputs(name: str, n: int) -> dict:
     gen = torch.Generator().manual_seed(5)
     kv_heads = 1 if name == "causal_gqa_spherical" else H
     # the factorized form batches a rank's two segments: views of the shard at batch 1 (GQA's case), copies at 2
-    b = 2 if form and name != "causal_gqa_spherical" else B
+    b = 2 if form == "factorized" and name != "causal_gqa_spherical" else B
     x = {"Q": torch.randn(b, H, n, D, generator=gen), "K": torch.randn(b, kv_heads, n, D, generator=gen),
          "V": torch.randn(b, kv_heads, n, D, generator=gen)}
     if name == "causal_gqa_spherical":  # Q [batch head query dim], head = kvhead * qgroup; a multiplicity per key
         x["M"] = torch.rand(b, n, generator=gen) + 0.5
     if name == "causal_softmax_attention":  # a tensor scale takes a gradient (spherical's would be 0: it cancels)
         x["scale"] = torch.tensor(0.3)
+    if name == "sink_softmax":  # a sink logit per head
+        x["sink"] = torch.randn(H, generator=gen)
     return x
 
 
@@ -52,14 +55,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _worker(rank: int, world: int, name: str, shards: list, init: str, cache: str, errors: str) -> None:
+def _worker(rank: int, world: int, cases: list, init: str, cache: str, errors: str) -> None:
+    """Every case (spec, shard lengths) in one process group; each failure reported, the others still run."""
     try:
         os.environ["TRITON_INTERPRET"] = "1"
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
-        _compare(rank, world, name, shards, cache)
+        failures = []
+        for name, shards in cases:
+            try:
+                _compare(rank, world, name, shards, cache)
+            except AssertionError as failure:
+                failures.append(str(failure))
         dist.barrier()
         dist.destroy_process_group()
+        assert not failures, "\n".join(failures)
     except BaseException:
         Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -71,7 +81,7 @@ def _shard(name: str, full: dict, rank: int, world: int, shards: list, causal: b
     lo, hi = sum(shards[:rank]), sum(shards[:rank + 1])
     out = {}
     for n, t in full.items():
-        if t.dim() == 0:
+        if n in ("scale", "sink"):  # read by every shard
             out[n] = t
         elif causal:
             out[n] = zigzag_shard(t, _seq_dim(name, n), rank, world)
@@ -85,70 +95,87 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
 
     op = _load(name, cache)
     causal = op.module.KERNELS.causal
-    if "+" in name:  # the states' form ran, not the ring (ring.py)
-        from ncd.families.attention import ring
-        calls = []
-        original = ring.FactorizedContextParallel.apply
-        ring.FactorizedContextParallel.apply = lambda *a: calls.append(1) or original(*a)
+    from ncd.families.attention import ring
+
+    calls = []
+    original = ring.FactorizedContextParallel.apply
+    ring.FactorizedContextParallel.apply = lambda *a: calls.append(1) or original(*a)  # which form ran
     full = _inputs(name, sum(shards))
+    with_lse = name.endswith("+lse")
     ref = {n: t.clone().requires_grad_(n != "M") for n, t in full.items()}
-    o_ref = op(**ref)
-    do = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(9))
-    (o_ref * do).sum().backward()
+    o_ref, lse_ref = op(**ref, return_lse=True) if with_lse else (op(**ref), None)
+    gen = torch.Generator().manual_seed(9)
+    do = torch.randn(o_ref.shape, generator=gen)
+    dlse = torch.randn(o_ref.shape[:3], generator=gen)
+    ((o_ref * do).sum() + ((lse_ref * dlse).sum() if with_lse else 0)).backward()
 
     mine = {n: t.detach().clone().requires_grad_(n != "M")
             for n, t in _shard(name, full, rank, world, shards, causal).items()}
-    o = context_parallel_attention(op, **mine)
-    if "+" in name:
-        assert calls, "the factorized form's context parallelism did not run"
-    out_dim = _seq_dim(name, "Q")
+    try:
+        if with_lse:
+            o, lse = context_parallel_attention(op, **mine, return_lse=True)
+        else:
+            o = context_parallel_attention(op, **mine)
+    finally:
+        ring.FactorizedContextParallel.apply = original
+    assert bool(calls) == ("+factorized" in name), f"{name}: the wrong form ran (factorized: {bool(calls)})"
     do_mine = _shard(name, {"Q": do}, rank, world, shards, causal)["Q"]
-    (o * do_mine).sum().backward()
+    loss = (o * do_mine).sum()
     errors = {"o": _rel(o, _shard(name, {"Q": o_ref}, rank, world, shards, causal)["Q"])}
-    assert o.shape == do_mine.shape and out_dim == _seq_dim(name, "Q")
+    if with_lse:  # lse [batch head query]: sharded along its last axis as Q is along the query axis
+        rows = _shard(name, {"Q": torch.stack([lse_ref.detach(), dlse], -1)}, rank, world, shards, causal)["Q"]
+        loss = loss + (lse * rows[..., 1]).sum()
+        errors["lse"] = _rel(lse, rows[..., 0])
+    loss.backward()
+    assert o.shape == do_mine.shape
     for n, t in mine.items():
         if n == "M":
             continue
-        if t.dim() == 0:  # a scale every shard reads: the ranks' gradients sum to it
+        if n in ("scale", "sink"):  # read by every shard: the ranks' gradients sum to it
             grad = t.grad.clone()
             dist.all_reduce(grad)
             errors[f"d{n}"] = _rel(grad, ref[n].grad)
         else:
             errors[f"d{n}"] = _rel(t.grad, _shard(name, {n: ref[n].grad}, rank, world, shards, causal)[n])
     bad = {n: e for n, e in errors.items() if not e < 1e-5}
-    assert not bad, f"rank {rank} of {world}, shards {shards}: {bad} (all: {errors})"
+    assert not bad, f"{name}, rank {rank} of {world}, shards {shards}: {bad} (all: {errors})"
 
 
-def _spawn(tmp_path: Path, world: int, name: str, shards: list, target=_worker) -> None:
+def _spawn(tmp_path: Path, world: int, cases: list, target=_worker) -> None:
     errors = tmp_path / "errors"
     errors.mkdir()
     init = f"file://{tmp_path / 'pg'}"
     try:
-        mp.spawn(target, args=(world, name, shards, init, str(tmp_path / "cache"), str(errors)), nprocs=world)
+        mp.spawn(target, args=(world, cases, init, str(tmp_path / "cache"), str(errors)), nprocs=world)
     except Exception as e:
         reports = "\n".join(p.read_text() for p in sorted(errors.iterdir()))
         raise AssertionError(f"a rank failed:\n{reports}") from e
 
 
-@pytest.mark.parametrize("name, shards", [("causal_softmax_attention", [10, 10]),
-                                          ("causal_spherical_attention", [6, 6, 6, 6]),
-                                          ("signed_l1_attention", [7, 12]),
-                                          ("causal_gqa_spherical", [14, 14]),
-                                          ("causal_spherical_attention+factorized", [38, 38]),
-                                          ("spherical_attention+factorized", [9, 20, 13]),
-                                          ("causal_gqa_spherical+factorized", [10, 10, 10, 10])])
-def test_context_parallel_equals_the_single_process_op(tmp_path, name, shards):
+# one process group per rank count (spawning and compiling cost more than a case)
+CASES = {
+    2: [("causal_softmax_attention", [10, 10]), ("signed_l1_attention", [7, 12]), ("causal_gqa_spherical", [14, 14]),
+        ("causal_spherical_attention+factorized", [38, 38]), ("sink_softmax", [10, 10]),
+        ("softmax_plus_one", [7, 12])],
+    3: [("spherical_attention+factorized", [9, 20, 13]), ("causal_softmax_attention+lse", [6, 6, 6])],
+    4: [("causal_spherical_attention", [6, 6, 6, 6]), ("causal_gqa_spherical+factorized", [10, 10, 10, 10])],
+}
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_context_parallel_equals_the_single_process_op(tmp_path, world):
     """Output and every gradient per rank against the whole-sequence op. The ring: the running max's merge
     (softmax, and its scale's gradient summed over the ranks), a nonlinear normaliser (spherical's sqrt), a
     non-causal spec on uneven shards, GQA with a per-key weight that travels with the keys; causal chunks of odd
     length (5, 3, 7). The factorized form's states: zigzag chunks of 19 (past the interpreter's 16-key chunk),
-    uneven non-causal shards, GQA with a weight."""
-    _spawn(tmp_path, len(shards), name, shards)
+    uneven non-causal shards, GQA with a weight. A sink merged once (a per-head logit whose gradient sums over the
+    ranks; softmax-plus-one's constant), and the row statistic (return_lse) with its own gradient."""
+    _spawn(tmp_path, world, CASES[world])
 
 
-def _bad_shard_worker(rank: int, world: int, name: str, shards: list, init: str, cache: str, errors: str) -> None:
+def _bad_shard_worker(rank: int, world: int, cases: list, init: str, cache: str, errors: str) -> None:
     try:
-        _bad_shards(rank, world, name, init, cache)
+        _bad_shards(rank, world, cases[0][0], init, cache)
     except BaseException:
         Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -174,9 +201,9 @@ def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None
         given = dict(x, **bad) if rank == 1 else x
         with pytest.raises(CallError, match=message):
             context_parallel_attention(op, **given)
+    with pytest.raises(CallError, match="return_lse under context parallelism runs on the ring"):
+        context_parallel_attention(_load("causal_spherical_attention+factorized", cache), **x, return_lse=True)
     # what the ring does not carry is refused before any collective, on each rank alone
-    with pytest.raises(CallError, match="does not take return_lse"):
-        context_parallel_attention(op, **x, return_lse=True)
     alibi = {n: torch.randn(B, H, 4, D) for n in "QKV"}
     with pytest.raises(CallError, match="does not take score or mask modifiers"):
         context_parallel_attention(_load("alibi_softmax", cache), **alibi, slope=torch.rand(H))
@@ -184,4 +211,4 @@ def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None
 
 
 def test_a_wrong_shard_fails_on_every_rank_naming_rank_tensor_and_axis(tmp_path):
-    _spawn(tmp_path, 2, "causal_softmax_attention", [6, 6], target=_bad_shard_worker)
+    _spawn(tmp_path, 2, [("causal_softmax_attention", [6, 6])], target=_bad_shard_worker)

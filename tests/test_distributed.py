@@ -198,16 +198,3 @@ def test_the_delta_rule_and_packed_sequences_are_refused_before_any_collective(t
     with pytest.raises(CallError, match="cu_seqlens None"):
         sequence_parallel_chunk(gla, q, q, torch.randn(1, 4, H, V), torch.zeros(1, 4, H),
                                 cu_seqlens=torch.tensor([0, 4]))
-
-
-def test_the_end_state_product_sums_blocks_of_time_exactly():
-    """Gated linear attention's end state sums the products of blocks of >= 1024 tokens (padded with zeros): the
-    same sum as one product over all of T, at a length that is no multiple of the block."""
-    from ncd.distributed import _sum_over_time
-
-    gen = torch.Generator().manual_seed(3)
-    for T in (7, 3000):
-        a, b = torch.randn(2, T, 3, 4, generator=gen, dtype=torch.float64), torch.randn(2, T, 3, 5, generator=gen,
-                                                                                       dtype=torch.float64)
-        torch.testing.assert_close(_sum_over_time(a, b), torch.einsum("bthk,bthv->bhkv", a, b), rtol=1e-12,
-                                   atol=1e-12)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ncd.errors import CallError
+from ncd.families.attention import kernel_sink
 from ncd.families.attention.kernel import AttentionKernels, _head, _head_columns, _load_rows, _store_rows, head_tile
 from ncd.families.attention.kernel_chunked import add_states
 
@@ -108,8 +109,9 @@ def merge(kernels: AttentionKernels, o: torch.Tensor, z: torch.Tensor, m: torch.
 
 @dataclass(frozen=True)
 class Ring:
-    """One context-parallel call: the kernels (and their copy without the causal flag), the group, this rank, and
-    every rank's key-shard length (from the shard check)."""
+    """One context-parallel call: the kernels (and their copy without the causal flag), the group, this rank,
+    every rank's key-shard length (from the shard check), the sink (its dimensions among batch, head, query, its
+    constant place, u and u': kernel_sink.py) and the rate of the row statistic's running-max term (lse)."""
 
     kernels: AttentionKernels
     unmasked: AttentionKernels
@@ -118,6 +120,8 @@ class Ring:
     rank: int
     world: int
     key_lengths: tuple[int, ...]
+    sink: tuple | None = None
+    stat_rate: float = 0.0
 
     @property
     def causal(self) -> bool:
@@ -182,7 +186,7 @@ def _shard_shapes(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k:
 
 
 def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None) -> tuple:
-    """(o in q's dtype, z, m) of q's rows against every rank's keys."""
+    """(o fp32, z, m) of q's rows against every rank's keys."""
     batch, hq, n_q, _ = q.shape
     online = ring.kernels.config.online_max
     o = torch.zeros((batch, hq, n_q, v.shape[3]), dtype=torch.float32, device=q.device)
@@ -203,13 +207,15 @@ def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             request.wait()
         if pending:
             shard = incoming
-    return o.to(q.dtype), z, m
+    return o, z, m
 
 
 def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  w: torch.Tensor | None, o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None) -> tuple:
+                  w: torch.Tensor | None, o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None,
+                  delta_in: torch.Tensor | None = None) -> tuple:
     """(dq, dk, dv) of this rank's shard: each step's ordinary backward against the shard held, from the rows'
-    final (o, z, m); dK/dV accumulate in fp32 on the shard's turn around the ring."""
+    final (o, z, m); dK/dV accumulate in fp32 on the shard's turn around the ring. delta_in: the row statistic's
+    gradient term (runtime.py's `_backward_lse`), added to each row's delta in every step."""
     n_q = q.shape[2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     shard = _pack([k, v, *([w.float()] if w is not None else [])])
@@ -227,8 +233,9 @@ def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         for rows, keys, kernels in ring.blocks(step, n_q):
             w_b = w_s[0][:, keys] if w_s else None
             stats = (z[:, :, rows].contiguous(), m[:, :, rows].contiguous() if m is not None else None)
+            extra = None if delta_in is None else delta_in[:, :, rows].contiguous()
             dq_b, dk_b, dv_b = kernels.backward(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys],
-                                                o[:, :, rows], stats, w_b, ring.scale)
+                                                o[:, :, rows], stats, w_b, ring.scale, delta_in=extra)
             dq[:, :, rows] += dq_b
             dk_s[:, :, keys] += dk_b
             dv_s[:, :, keys] += dv_b
@@ -258,21 +265,43 @@ def _grad_size(k: torch.Tensor, v: torch.Tensor, n_k: int) -> int:
 
 
 class RingAttention(torch.autograd.Function):
-    """o of this rank's queries against every rank's keys; backward: the ring again (every rank must run it)."""
+    """(o, lse) of this rank's queries against every rank's keys, a sink merged once at the end (kernel_sink.py:
+    the saved statistics then include it, so the backward kernels need nothing more); backward: the ring again
+    (every rank must run it). lse = log of the row's normaliser sum, -inf for a row with z = 0."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None,
-                ring: Ring) -> torch.Tensor:
+                sink: torch.Tensor | None, ring: Ring) -> tuple:
         o, z, m = ring_forward(ring, q, k, v, w)
-        ctx.save_for_backward(q, k, v, w, o, z, m)
+        if ring.sink is not None:
+            dims, place, sink_map, _ = ring.sink
+            out = kernel_sink.merge(ring.kernels, o, z, m, sink, dims, place, sink_map, q.dtype)
+        else:
+            out = o.to(q.dtype)
+        lse = torch.log(torch.where(z > 0, z, 1.0))
+        if ring.stat_rate and m is not None:
+            lse = lse + ring.stat_rate * m
+        lse = torch.where(z > 0, lse, float("-inf"))
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, w, sink, out, z, m)
         ctx.ring = ring
-        return o
+        ctx.mark_non_differentiable(z)
+        return out, lse
 
     @staticmethod
-    def backward(ctx: Any, do: torch.Tensor) -> tuple:  # type: ignore[override]
-        q, k, v, w, o, z, m = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.ring, do, q, k, v, w, o, z, m)
-        return dq, dk, dv, None, None
+    def backward(ctx: Any, do: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        ring: Ring = ctx.ring
+        q, k, v, w, sink, o, z, m = ctx.saved_tensors
+        do = torch.zeros_like(o) if do is None else do
+        delta_in = None
+        if dlse is not None:  # d lse / d z = 1 / z (z relative to the running max, as the kernels keep it)
+            delta_in = torch.where(z != 0, -dlse.float() / torch.where(z != 0, z, 1.0), 0.0)
+        dq, dk, dv = ring_backward(ring, do, q, k, v, w, o, z, m, delta_in)
+        dsink = None
+        if ring.sink is not None and sink is not None and ctx.needs_input_grad[4]:
+            dims, _, sink_map, dsink_map = ring.sink
+            dsink = kernel_sink.gradient(ring.kernels, do, o, z, m, sink, dims, sink_map, dsink_map, delta_in)
+        return dq, dk, dv, None, dsink, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,12 +438,14 @@ class Sharding:
 
 def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      w: torch.Tensor | None, scale: float, group: Any, names: tuple[str, str],
-                     factorized: Callable[[int, int], bool] | None = None) -> torch.Tensor:
+                     factorized: Callable[[int, int], bool] | None = None, *, sink: torch.Tensor | None = None,
+                     sink_spec: tuple | None = None, stat_rate: float = 0.0, return_lse: bool = False) -> Any:
     """The op's o on this rank's shard of queries (kernel layout [B, Hq, Nq, D]) against every rank's keys. One
     all_gather of every rank's (Nq, Nk) sizes the transfers (ncd.distributed checked the shards before the op ran);
     causal: the same even length for queries and keys on every rank, else the same CallError on every rank. names:
     the spec's names of q and k. factorized(total Nq, total Nk): whether the op would run its factorized form on one
-    device at those lengths; then the states' form (Segments) runs instead of the ring."""
+    device at those lengths; then the states' form (Segments) runs instead of the ring. sink, sink_spec: the sink's
+    logits (or None: a constant place) and (dims, place, u, u'), for the ring (Ring). return_lse: (o, lse)."""
     table = None
     if isinstance(group, Sharding):
         group, table = group.group, list(group.lengths)
@@ -434,9 +465,15 @@ def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor
                                 "(ncd.distributed.zigzag_shard)")
     rank = dist.get_rank(group)
     if factorized is not None and factorized(sum(n for n, _ in table), sum(n for _, n in table)):
+        if return_lse:
+            raise CallError(None, detail=f"{kernels.name}: return_lse under context parallelism runs on the ring, "
+                            "and at these lengths the op runs its factorized form: load the op with "
+                            "factorize='never' (Op.with_config) to take the statistic")
         return FactorizedContextParallel.apply(q, k, v, w, Segments(kernels, float(scale), group, rank, world))
-    ring = Ring(kernels, kernels.without_causal(), float(scale), group, rank, world, tuple(n_k for _, n_k in table))
-    return RingAttention.apply(q, k, v, w, ring)
+    ring = Ring(kernels, kernels.without_causal(), float(scale), group, rank, world, tuple(n_k for _, n_k in table),
+                sink_spec, stat_rate)
+    o, lse = RingAttention.apply(q, k, v, w, sink, ring)
+    return (o, lse) if return_lse else o
 
 
 def zigzag_shard(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:

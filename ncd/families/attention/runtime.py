@@ -293,19 +293,22 @@ class AttentionOp:
         return sizes
 
     def _context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None,
-                          scale: float, return_lse: bool, group: Any) -> torch.Tensor:
-        """ring.context_parallel after the refusals of what the ring does not carry yet."""
-        modified = self.ns["KERNELS"].modified
-        refusal = ("score or mask modifiers (their hooks read positions within one device's sequence)" if modified
-                   else "a sink" if self.sink is not None else "return_lse" if return_lse
-                   else f"a per-key weight '{self.weight}' that requires grad" if w is not None and w.requires_grad
-                   else None)
-        if refusal is not None:
-            raise rt.CallError(None, detail=f"{self.spec_name}: context parallelism does not take {refusal} yet")
+                          scale: float, sink: torch.Tensor | None, return_lse: bool, group: Any) -> Any:
+        """ring.context_parallel after the refusals of what it does not carry yet."""
+        if self.ns["KERNELS"].modified:
+            raise rt.CallError(None, detail=f"{self.spec_name}: context parallelism does not take score or mask "
+                               "modifiers yet (their hooks read positions within one device's sequence)")
+        if w is not None and w.requires_grad:
+            raise rt.CallError(None, detail=f"{self.spec_name}: context parallelism does not take a per-key weight "
+                               f"'{self.weight}' that requires grad yet")
         tile = self.ns["head_tile"](q.shape[3])
         factorized = None if self.factorized is None else lambda n_q, n_k: self.ns["_use_factorized"](n_q, n_k, tile)
+        sink_spec = None
+        if self.sink is not None:
+            sink_spec = (self.sink[1], self.sink[2], self.ns.get("_sink_map"), self.ns.get("_dsink_map"))
         return ring.context_parallel(self.ns["KERNELS"], q, k, v, w, scale, group, (self.query, self.key),
-                                     factorized)
+                                     factorized, sink=sink, sink_spec=sink_spec, stat_rate=self.stat_rate,
+                                     return_lse=return_lse)
 
     def _kernel_weight(self, w: torch.Tensor | None, sizes: Mapping[str, int]) -> torch.Tensor | None:
         """The weight as [batch key] float32: a [key] weight is shared by the batch."""
@@ -338,9 +341,11 @@ class AttentionOp:
         else:
             kernel_scale = float(scale)
         inverse = self.perms["o_inverse"]
-        if group is not None:
-            return self._context_parallel(kq, kk, kv, kw, kernel_scale, return_lse, group).permute(inverse)
         rows = [d for d in inverse if d != 3]  # lse: the output's axes without the value width, in the spec's order
+        if group is not None:
+            result = self._context_parallel(kq, kk, kv, kw, kernel_scale, mods[-1] if self.sink_tensor else None,
+                                            return_lse, group)
+            return (result[0].permute(inverse), result[1].permute(rows)) if return_lse else result.permute(inverse)
         if 0 in kq.shape or 0 in kk.shape:  # empty batch, heads, queries, keys or head dim: nothing to launch
             # (no keys: every row is masked, so 0, as docs/language.md defines; its lse is -inf)
             o = rt.zero_result((kq.shape[0], kq.shape[1], kq.shape[2], kv.shape[3]), kq, kq, kk, kv, kw)
