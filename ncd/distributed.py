@@ -30,14 +30,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.nn.functional import all_gather
 
 from ncd.errors import CallError
 from ncd.families.attention.ring import Sharding, zigzag_shard, zigzag_unshard
 from ncd.families.attention.runtime import AttentionOp
-from ncd.families.recurrence.runtime import GKAOp
+from ncd.families.recurrence.runtime import G_FLOOR, GKAOp
 from ncd.families.recurrence.runtime_delta import DeltaRuleOp
 from ncd.families.recurrence.runtime_linear import LinearScanOp
+from ncd.families.recurrence.scales import BetaScales
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHAPE_SLOTS = 6  # dims recorded per tensor in the shard check (the recurrences' inputs have at most 4)
@@ -167,7 +169,9 @@ def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: An
     if isinstance(runtime, GKAOp):  # the solve reads the whole state: the incoming state must come first
         if rank == world - 1:  # nobody reads the last shard's end state: zeros of the states' shapes
             ends = [torch.zeros(_state_shape(runtime, given, i), device=given["q"].device) for i in range(states)]
-        else:
+        elif given["k"].shape[2] == given["q"].shape[2]:
+            ends = _gka_end_states(runtime, module.HOOKS, given, start)
+        else:  # GQA: the op itself, with no Chebyshev steps
             ends = list(run(start, True, num_iter=0)[1])
         gathered = all_gather(torch.cat([t.float().reshape(-1) for t in (*ends, *decays)]), group=group)
         incoming = _fold(gathered[:rank], [e.shape for e in ends], [d.shape for d in decays])
@@ -224,6 +228,48 @@ def _linear_gates(runtime: Any, given: dict) -> torch.Tensor:
     if runtime.roles.gate_per_head:  # RetNet: g [H], the same decay at every token
         return g.float().reshape(1, 1, H).expand(B, T, H)
     return g.float()
+
+
+def _gka_end_states(runtime: Any, hooks: Any, given: dict, start: Any) -> list[torch.Tensor]:
+    """Gated KalmaNet's states after this shard, fp32 [B, H, K, K] and [B, H, K, V], from `start` ((H, S) or None:
+    zeros): H = sum_t exp(gh_(t+1) + ... + gh_T) kb_t kb_t^T and S = sum_t exp(g_(t+1) + ... + g_T) kb_t vb_t^T
+    (+ the decayed start), kb = k KEY_SCALE(beta), vb = v VALUE_SCALE(beta) by the spec's own hooks (scales.py), the
+    gates floored at G_FLOOR as the kernels take them. Weighted products over time, not the chunked op: this first
+    pass is what later ranks wait for."""
+    q, k, v, beta = given["q"], given["k"], given["v"], given.get("beta")
+    B, T, H, _ = q.shape
+    if beta is None:  # the hooks of beta = 1
+        beta = torch.ones(B, T, H, device=q.device)
+    key_scale, value_scale = BetaScales.apply(beta, hooks)
+    kb = k.float() * key_scale[..., None]
+    vb = v.float() * value_scale[..., None]
+    g_s, g_h = runtime._gates(given.get("g"), given.get("gk"), q)
+    g_h = g_s if g_h is None else g_h
+    starts = start if start is not None else (None, None)
+    ends = []
+    for gate, right, first in ((g_h, kb, starts[0]), (g_s, vb, starts[1])):
+        gate = gate.float().clamp_min(G_FLOOR)
+        suffix = gate.flip(1).cumsum(1).flip(1)  # g_t + ... + g_T
+        after = torch.cat([suffix[:, 1:], torch.zeros_like(suffix[:, :1])], 1)  # g_(t+1) + ... + g_T
+        end = _sum_over_time(kb * torch.exp(after)[..., None], right)
+        if first is not None:
+            end = end + torch.exp(suffix[:, 0]).reshape(B, H, 1, 1) * first.float()
+        ends.append(end)
+    return ends
+
+
+def _sum_over_time(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_t a_t b_t^T, [B, T, H, K] x [B, T, H, V] -> [B, H, K, V] (fp32), as products over blocks of at least 1024
+    tokens summed after: one product over all of T has B H output tiles to share the GPU, each reducing T."""
+    B, T, H, K = a.shape
+    block = T if T <= 1024 else max(1024, -(-T // 64))
+    pad = -T % block
+    if pad:
+        a, b = F.pad(a, (0, 0, 0, 0, 0, pad)), F.pad(b, (0, 0, 0, 0, 0, pad))
+    blocks = (T + pad) // block
+    return torch.einsum("bcthk,bcthv->bchkv", a.reshape(B, blocks, block, H, K),
+                        b.reshape(B, blocks, block, H, b.shape[-1])).sum(1)
+
 
 
 def _log_decays(runtime: Any, given: dict) -> list[torch.Tensor]:

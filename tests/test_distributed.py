@@ -24,7 +24,7 @@ def _load(name: str, cache: str):
     from ncd.ops import shipped_spec
 
     op = ncd.load(shipped_spec(name), cache_dir=cache, sizes={"kdim": K, "vdim": V})
-    return op.with_config(dot_precision="ieee") if name == "gka" else op
+    return op.with_config(dot_precision="ieee") if name.startswith("gka") else op
 
 
 def _inputs(name: str, T: int) -> dict:
@@ -38,7 +38,7 @@ def _inputs(name: str, T: int) -> dict:
         x["g"] = F.logsigmoid(torch.randn(H, generator=gen) + 2.0)
     else:
         x["g"] = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2.0)
-    if name == "gka":
+    if name.startswith("gka"):
         x["beta"] = torch.sigmoid(torch.randn(B, T, H, generator=gen))
         x["alpha"] = torch.sigmoid(torch.randn(B, T, H, generator=gen))
         a = torch.randn(B, H, K, K, generator=gen) * 0.3
@@ -93,7 +93,7 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
     dfin = [torch.randn(s.shape, generator=gen) for s in
             (full["initial_state"] if isinstance(full["initial_state"], tuple) else (full["initial_state"],))]
     kw = {"chunk_size": 16}
-    if name == "gka":
+    if name.startswith("gka"):
         kw["num_iter"] = 5
 
     def call(fn, x, **extra):
@@ -152,7 +152,7 @@ def _spawn(tmp_path: Path, world: int, name: str, shards: list, target=_worker) 
 
 
 @pytest.mark.parametrize("name, shards", [("simple_gla", [13, 8]), ("retnet", [7, 18]), ("gla", [5, 9, 3, 11]),
-                                          ("gka", [19, 6])])
+                                          ("gka", [19, 6]), ("gka_ungated_covariance", [11, 14])])
 def test_sequence_parallel_equals_the_single_process_op(tmp_path, name, shards):
     """Forward, the final state and every gradient, per rank, against the whole-sequence op: scalar, per-key and
     constant decays, and Gated KalmaNet's two states (its solve reads the full prefix state); shards uneven and
@@ -198,3 +198,16 @@ def test_the_delta_rule_and_packed_sequences_are_refused_before_any_collective(t
     with pytest.raises(CallError, match="cu_seqlens None"):
         sequence_parallel_chunk(gla, q, q, torch.randn(1, 4, H, V), torch.zeros(1, 4, H),
                                 cu_seqlens=torch.tensor([0, 4]))
+
+
+def test_the_end_state_product_sums_blocks_of_time_exactly():
+    """Gated KalmaNet's sequence-parallel end states sum the products of blocks of >= 1024 tokens (padded with
+    zeros): the same sum as one product over all of T, at a length that is no multiple of the block."""
+    from ncd.distributed import _sum_over_time
+
+    gen = torch.Generator().manual_seed(3)
+    for T in (7, 3000):
+        a, b = torch.randn(2, T, 3, 4, generator=gen, dtype=torch.float64), torch.randn(2, T, 3, 5, generator=gen,
+                                                                                       dtype=torch.float64)
+        torch.testing.assert_close(_sum_over_time(a, b), torch.einsum("bthk,bthv->bhkv", a, b), rtol=1e-12,
+                                   atol=1e-12)
