@@ -214,7 +214,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", type=int, default=2)
-    parser.add_argument("--ops", default="gka,simple_gla")
+    parser.add_argument("--ops", default="causal_softmax_attention,causal_spherical_attention,gka,simple_gla")
     parser.add_argument("--t", type=int, default=65536)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
