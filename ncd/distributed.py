@@ -61,8 +61,8 @@ def context_parallel_attention(op: Any, *args: Any, group: Any = None, **kwargs:
     Returns the op's output on this rank's queries. Gradients reach every rank's inputs; every rank must run the
     backward (it is a ring too). The shards are checked first, together (one all_gather): a rank whose shard
     disagrees with rank 0's, or fails the op's own checks, raises the same CallError on every rank, naming the rank,
-    the tensor and the axis. Sinks and return_lse are carried (the latter on the ring only: CallError where the op
-    would run its factorized form). Not yet carried: score and mask modifiers, a per-key weight that requires grad
+    the tensor and the axis. Sinks, return_lse and a per-key weight's gradient are carried (the latter two on the
+    ring only: CallError where the op would run its factorized form). Not yet carried: score and mask modifiers
     (CallError)."""
     module = getattr(op, "module", op)
     runtime = getattr(module, "_OP", None)

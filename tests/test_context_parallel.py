@@ -102,14 +102,15 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
     ring.FactorizedContextParallel.apply = lambda *a: calls.append(1) or original(*a)  # which form ran
     full = _inputs(name, sum(shards))
     with_lse = name.endswith("+lse")
-    ref = {n: t.clone().requires_grad_(n != "M") for n, t in full.items()}
+    weight_grad = "+" not in name  # the ring takes the per-key weight's gradient (the factorized form refuses it)
+    ref = {n: t.clone().requires_grad_(n != "M" or weight_grad) for n, t in full.items()}
     o_ref, lse_ref = op(**ref, return_lse=True) if with_lse else (op(**ref), None)
     gen = torch.Generator().manual_seed(9)
     do = torch.randn(o_ref.shape, generator=gen)
     dlse = torch.randn(o_ref.shape[:3], generator=gen)
     ((o_ref * do).sum() + ((lse_ref * dlse).sum() if with_lse else 0)).backward()
 
-    mine = {n: t.detach().clone().requires_grad_(n != "M")
+    mine = {n: t.detach().clone().requires_grad_(n != "M" or weight_grad)
             for n, t in _shard(name, full, rank, world, shards, causal).items()}
     try:
         if with_lse:
@@ -129,7 +130,7 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
     loss.backward()
     assert o.shape == do_mine.shape
     for n, t in mine.items():
-        if n == "M":
+        if n == "M" and not weight_grad:
             continue
         if n in ("scale", "sink"):  # read by every shard: the ranks' gradients sum to it
             grad = t.grad.clone()

@@ -212,10 +212,11 @@ def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   w: torch.Tensor | None, o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None,
-                  delta_in: torch.Tensor | None = None) -> tuple:
-    """(dq, dk, dv) of this rank's shard: each step's ordinary backward against the shard held, from the rows'
-    final (o, z, m); dK/dV accumulate in fp32 on the shard's turn around the ring. delta_in: the row statistic's
-    gradient term (runtime.py's `_backward_lse`), added to each row's delta in every step."""
+                  delta_in: torch.Tensor | None = None, weight_grad: bool = False) -> tuple:
+    """(dq, dk, dv, dw or None) of this rank's shard: each step's ordinary backward against the shard held, from
+    the rows' final (o, z, m); dK/dV (and the per-key weight's gradient, with weight_grad) accumulate in fp32 on the
+    shard's turn around the ring. delta_in: the row statistic's gradient term (runtime.py's `_backward_lse`), added
+    to each row's delta in every step."""
     n_q = q.shape[2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     shard = _pack([k, v, *([w.float()] if w is not None else [])])
@@ -230,6 +231,7 @@ def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         k_s, v_s, *w_s = _unpack(shard, _shard_shapes(k, v, w, ring.key_lengths[owner]))
         dk_s = torch.zeros(k_s.shape, dtype=torch.float32, device=q.device)
         dv_s = torch.zeros(v_s.shape, dtype=torch.float32, device=q.device)
+        dw_s = torch.zeros(w_s[0].shape if weight_grad else (0,), dtype=torch.float32, device=q.device)
         for rows, keys, kernels in ring.blocks(step, n_q):
             w_b = w_s[0][:, keys] if w_s else None
             stats = (z[:, :, rows].contiguous(), m[:, :, rows].contiguous() if m is not None else None)
@@ -239,13 +241,17 @@ def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
             dq[:, :, rows] += dq_b
             dk_s[:, :, keys] += dk_b
             dv_s[:, :, keys] += dv_b
-        grads = torch.cat([dk_s.reshape(-1), dv_s.reshape(-1)])
+            if weight_grad and w_b is not None:
+                dw_s[:, keys] += kernels.weight_gradient(do[:, :, rows], q[:, :, rows], k_s[:, :, keys],
+                                                         v_s[:, :, keys], w_b, o[:, :, rows], *stats, ring.scale)
+        grads = torch.cat([dk_s.reshape(-1), dv_s.reshape(-1), dw_s.reshape(-1)])
         if grads_home is not None:  # the accumulator of this shard, from the ranks it visited before
             for request in pending_grads:
                 request.wait()
             grads += grads_home
         if ring.world > 1:
-            grads_home = grads.new_empty(_grad_size(k, v, ring.key_lengths[ring.owner(step + 1)]))
+            grads_home = grads.new_empty(_grad_size(k, v, w if weight_grad else None,
+                                                    ring.key_lengths[ring.owner(step + 1)]))
             pending_grads = ring.exchange(grads, grads_home)
         else:
             grads_home = grads
@@ -256,12 +262,15 @@ def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     for request in pending_grads:
         request.wait()
     assert grads_home is not None
-    dk, dv = grads_home.split([k.numel(), v.numel()])
-    return dq.to(q.dtype), dk.reshape(k.shape).to(k.dtype), dv.reshape(v.shape).to(v.dtype)
+    dk, dv, dw = grads_home.split([k.numel(), v.numel(), w.numel() if weight_grad and w is not None else 0])
+    return (dq.to(q.dtype), dk.reshape(k.shape).to(k.dtype), dv.reshape(v.shape).to(v.dtype),
+            dw.reshape(w.shape) if weight_grad and w is not None else None)
 
 
-def _grad_size(k: torch.Tensor, v: torch.Tensor, n_k: int) -> int:
-    return (k.shape[0] * k.shape[1] * k.shape[3] + v.shape[0] * v.shape[1] * v.shape[3]) * n_k
+def _grad_size(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int) -> int:
+    """fp32 elements of a shard's travelling gradients at key length n_k: dK, dV and (w given) the weight's."""
+    per_key = k.shape[0] * k.shape[1] * k.shape[3] + v.shape[0] * v.shape[1] * v.shape[3]
+    return (per_key + (w.shape[0] if w is not None else 0)) * n_k
 
 
 class RingAttention(torch.autograd.Function):
@@ -296,12 +305,13 @@ class RingAttention(torch.autograd.Function):
         delta_in = None
         if dlse is not None:  # d lse / d z = 1 / z (z relative to the running max, as the kernels keep it)
             delta_in = torch.where(z != 0, -dlse.float() / torch.where(z != 0, z, 1.0), 0.0)
-        dq, dk, dv = ring_backward(ring, do, q, k, v, w, o, z, m, delta_in)
+        dq, dk, dv, dw = ring_backward(ring, do, q, k, v, w, o, z, m, delta_in,
+                                       weight_grad=w is not None and ctx.needs_input_grad[3])
         dsink = None
         if ring.sink is not None and sink is not None and ctx.needs_input_grad[4]:
             dims, _, sink_map, dsink_map = ring.sink
             dsink = kernel_sink.gradient(ring.kernels, do, o, z, m, sink, dims, sink_map, dsink_map, delta_in)
-        return dq, dk, dv, None, dsink, None
+        return dq, dk, dv, dw, dsink, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,10 +475,12 @@ def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor
                                 "(ncd.distributed.zigzag_shard)")
     rank = dist.get_rank(group)
     if factorized is not None and factorized(sum(n for n, _ in table), sum(n for _, n in table)):
-        if return_lse:
-            raise CallError(None, detail=f"{kernels.name}: return_lse under context parallelism runs on the ring, "
+        wanted = "return_lse" if return_lse else "a per-key weight that requires grad" if (
+            w is not None and w.requires_grad) else None
+        if wanted is not None:
+            raise CallError(None, detail=f"{kernels.name}: {wanted} under context parallelism runs on the ring, "
                             "and at these lengths the op runs its factorized form: load the op with "
-                            "factorize='never' (Op.with_config) to take the statistic")
+                            "factorize='never' (Op.with_config) to take it")
         return FactorizedContextParallel.apply(q, k, v, w, Segments(kernels, float(scale), group, rank, world))
     ring = Ring(kernels, kernels.without_causal(), float(scale), group, rank, world, tuple(n_k for _, n_k in table),
                 sink_spec, stat_rate)

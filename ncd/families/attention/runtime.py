@@ -298,9 +298,6 @@ class AttentionOp:
         if self.ns["KERNELS"].modified:
             raise rt.CallError(None, detail=f"{self.spec_name}: context parallelism does not take score or mask "
                                "modifiers yet (their hooks read positions within one device's sequence)")
-        if w is not None and w.requires_grad:
-            raise rt.CallError(None, detail=f"{self.spec_name}: context parallelism does not take a per-key weight "
-                               f"'{self.weight}' that requires grad yet")
         tile = self.ns["head_tile"](q.shape[3])
         factorized = None if self.factorized is None else lambda n_q, n_k: self.ns["_use_factorized"](n_q, n_k, tile)
         sink_spec = None
