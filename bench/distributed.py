@@ -185,11 +185,13 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         exposed = span = 0.0
         if args.profile:
             exposed, span = exposed_communication(lambda: step(parallel, mine, do_mine))  # noqa: B023
-        if args.kernels:  # every rank runs the parallel step (its collectives); rank 0 prints
-            listing = (f"{op_name}: rank 0's kernels, one GPU\n" + top_kernels(lambda: step(single, full, do))  # noqa: B023
+        if args.kernels:  # every rank runs the parallel step (its collectives), then prints in turn
+            listing = (f"{op_name}: rank {rank}'s kernels, one GPU\n" + top_kernels(lambda: step(single, full, do))  # noqa: B023
                        + "\n  parallel\n" + top_kernels(lambda: step(parallel, mine, do_mine)))  # noqa: B023
-            if rank == 0:
-                print(listing, flush=True)
+            for turn in range(world):
+                if rank == turn:
+                    print(listing, flush=True)
+                dist.barrier()
         report = torch.tensor([one, many, float(ok), other, exposed, span], device=device)
         rows = [torch.empty_like(report) for _ in range(world)]
         dist.all_gather(rows, report)
@@ -220,7 +222,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--port", type=int, default=29533)
     parser.add_argument("--profile", action="store_true", help="exposed communication from the profiler")
-    parser.add_argument("--kernels", action="store_true", help="rank 0's top kernels, one GPU and parallel")
+    parser.add_argument("--kernels", action="store_true", help="each rank's top kernels, one GPU and parallel")
     args = parser.parse_args()
     mp.spawn(worker, args=(args.gpus, args), nprocs=args.gpus)
 

@@ -200,14 +200,47 @@ def test_the_delta_rule_and_packed_sequences_are_refused_before_any_collective(t
                                 cu_seqlens=torch.tensor([0, 4]))
 
 
-def test_the_end_state_product_sums_blocks_of_time_exactly():
-    """Gated KalmaNet's sequence-parallel end states sum the products of blocks of >= 1024 tokens (padded with
-    zeros): the same sum as one product over all of T, at a length that is no multiple of the block."""
-    from ncd.distributed import _sum_over_time
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty poisoned with NaN, so an output element a kernel leaves unwritten fails the comparison."""
+    empty = torch.empty
 
-    gen = torch.Generator().manual_seed(3)
-    for T in (7, 3000):
-        a, b = torch.randn(2, T, 3, 4, generator=gen, dtype=torch.float64), torch.randn(2, T, 3, 5, generator=gen,
-                                                                                       dtype=torch.float64)
-        torch.testing.assert_close(_sum_over_time(a, b), torch.einsum("bthk,bthv->bhkv", a, b), rtol=1e-12,
-                                   atol=1e-12)
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_outer_sums_and_projections_equal_float64_with_every_gradient(monkeypatch, nan_empty, dtype):
+    """states.py's kernels against float64 einsums: outer_sum(x, y, a) = sum_t a_t x_t y_t^T over several splits
+    of time and project(x, m, a) = a_t x_t m, forward and the gradients of every input, at sizes no tile divides
+    (T 77 in 3 splits of 26 tokens, K 20, V 37 in tiles of 32)."""
+    from ncd.families.recurrence import states
+
+    monkeypatch.setattr(states, "SPLIT_TOKENS", 32)
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K, V = 2, 77, 3, 20, 37
+    x, y = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    a, m = torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
+
+    def close(got, want, bound):
+        got = got.detach()
+        assert torch.isfinite(got).all()
+        assert float((got.double() - want).norm() / want.norm()) < bound
+
+    def check(fn, reference, inputs, d_out):
+        leaves = [(t.to(dtype) if i < 2 and t.dim() == 4 else t).clone().requires_grad_() for i, t in enumerate(inputs)]
+        exact = [t.detach().double().requires_grad_() for t in leaves]
+        out, want = fn(*leaves), reference(*exact)
+        close(out, want, 1e-6)  # fp32 out: products of the (rounded) inputs as fp32 ones
+        out.backward(d_out)
+        want.backward(d_out.double())
+        for got, ref in zip(leaves, exact, strict=True):  # a gradient comes back in its input's dtype
+            close(got.grad, ref.grad, 1e-6 if got.dtype == torch.float32 else 2 ** -8)
+
+    check(states.outer_sum, lambda x, y, a: torch.einsum("bthk,bthv,bth->bhkv", x, y, a), (x, y, a),
+          torch.randn(B, H, K, V, generator=gen))
+    check(states.project, lambda x, m, a: torch.einsum("bthk,bhkv,bth->bthv", x, m, a), (x, m, a),
+          torch.randn(B, T, H, V, generator=gen))
