@@ -53,16 +53,22 @@ def context_parallel_attention(op: Any, *args: Any, group: Any = None, **kwargs:
     `group` (default: the world). Arguments as the op's, on every rank, each sequence tensor holding this rank's
     shard of the positions; the other axes whole and alike on every rank.
 
-    - Causal specs take the zigzag layout: the sequence cut into 2 P equal chunks (P ranks), rank r holding chunks r
-      and 2 P - 1 - r, concatenated, queries and keys alike (`zigzag_shard(x, dim, rank, P)`; `zigzag_unshard`
-      inverts it). So the length is a multiple of 2 P.
-    - Non-causal specs take any shards, of any lengths (each rank at least one position).
+    - Causal specs, and specs with a mask, take the zigzag layout: the sequence cut into 2 P equal chunks (P ranks),
+      rank r holding chunks r and 2 P - 1 - r, concatenated, queries and keys alike (`zigzag_shard(x, dim, rank, P)`;
+      `zigzag_unshard` inverts it). So the length is a multiple of 2 P.
+    - Other specs take any shards, of any lengths (each rank at least one position); with a score modifier, in rank
+      order (rank r holds the positions after rank r - 1's).
+    - A modifier tensor over the query axis (q_doc [batch query]) is sharded as the queries, one over the key axis
+      (k_doc [batch key]) as the keys (it travels with them), the others whole on every rank; the hooks see
+      positions in the whole sequence. A float modifier tensor's gradient on each rank is that rank's queries'
+      share: the ranks' gradients sum to the whole one (as a sink's, and as DDP sums them).
 
     Returns the op's output on this rank's queries. Gradients reach every rank's inputs; every rank must run the
     backward (it is a ring too). The shards are checked first, together (one all_gather): a rank whose shard
     disagrees with rank 0's, or fails the op's own checks, raises the same CallError on every rank, naming the rank,
     the tensor and the axis. Sinks, return_lse and a per-key weight's gradient are carried (the latter two on the
-    ring only: CallError where the op would run its factorized form). Not yet carried: score and mask modifiers
+    ring only: CallError where the op would run its factorized form), and score and mask modifiers (on the ring),
+    except a tensor over both the query and key axes (a [head query key] bias) and the gradient of one over keys
     (CallError)."""
     module = getattr(op, "module", op)
     runtime = getattr(module, "_OP", None)

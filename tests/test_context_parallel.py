@@ -1,7 +1,8 @@
 """Context-parallel attention (ncd/families/attention/ring.py) on spawned gloo process groups of 2 and 4 ranks,
 kernels in the interpreter: each rank's output and the gradients of its shard equal the single-process op's on the
 whole sequence (fp32, 1e-5 relative). Causal specs in the zigzag layout with chunks of odd length; a non-causal
-spec with uneven shards; GQA with a per-key weight; a wrong shard fails on every rank naming rank, tensor, axis."""
+spec with uneven shards; GQA with a per-key weight; score and mask modifiers (positions, per-key tensors that travel,
+call-time range tables, a table read at key - query); a wrong shard fails on every rank naming rank, tensor, axis."""
 
 from __future__ import annotations
 
@@ -43,11 +44,29 @@ def _inputs(name: str, n: int) -> dict:
         x["scale"] = torch.tensor(0.3)
     if name == "sink_softmax":  # a sink logit per head
         x["sink"] = torch.randn(H, generator=gen)
+    if name == "alibi_softmax":  # a slope per head, with its gradient
+        x["slope"] = torch.rand(H, generator=gen)
+    if name == "sliding_window_softmax":
+        x["window"] = 5
+    if name == "document_softmax":  # documents of 1 to 8 tokens; the key ids travel with the keys
+        ids = (torch.rand(b, n, generator=gen) < 0.2).cumsum(1).to(torch.int32)
+        x["q_doc"], x["k_doc"] = ids, ids.clone()
+    if name == "t5_log_bucket_softmax":  # a bucket table read at key - query, with its gradient
+        x["table"] = torch.randn(H, 32, generator=gen)
     return x
 
 
+SHARED = ("scale", "sink", "slope", "window", "table")  # read whole by every shard
+
+
 def _seq_dim(name: str, t: str) -> int:
-    return {"Q": 2, "K": 2, "V": 2, "M": 1}[t]
+    return {"Q": 2, "K": 2, "V": 2, "M": 1, "q_doc": 1, "k_doc": 1}[t]
+
+
+def _zigzag(op) -> bool:
+    """The layout the op takes: zigzag where it is causal or a mask hides pairs (ring.py)."""
+    kernels = op.module.KERNELS
+    return kernels.causal or kernels.mask_hides
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,7 +100,7 @@ def _shard(name: str, full: dict, rank: int, world: int, shards: list, causal: b
     lo, hi = sum(shards[:rank]), sum(shards[:rank + 1])
     out = {}
     for n, t in full.items():
-        if n in ("scale", "sink"):  # read by every shard
+        if n in SHARED:
             out[n] = t
         elif causal:
             out[n] = zigzag_shard(t, _seq_dim(name, n), rank, world)
@@ -94,7 +113,7 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
     from ncd.distributed import context_parallel_attention
 
     op = _load(name, cache)
-    causal = op.module.KERNELS.causal
+    causal = _zigzag(op)
     from ncd.families.attention import ring
 
     calls = []
@@ -103,14 +122,18 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
     full = _inputs(name, sum(shards))
     with_lse = name.endswith("+lse")
     weight_grad = "+" not in name  # the ring takes the per-key weight's gradient (the factorized form refuses it)
-    ref = {n: t.clone().requires_grad_(n != "M" or weight_grad) for n, t in full.items()}
+    def leaf(n, t):
+        return t if not isinstance(t, torch.Tensor) or not t.is_floating_point() else \
+            t.requires_grad_(n != "M" or weight_grad)
+
+    ref = {n: leaf(n, t.clone() if isinstance(t, torch.Tensor) else t) for n, t in full.items()}
     o_ref, lse_ref = op(**ref, return_lse=True) if with_lse else (op(**ref), None)
     gen = torch.Generator().manual_seed(9)
     do = torch.randn(o_ref.shape, generator=gen)
     dlse = torch.randn(o_ref.shape[:3], generator=gen)
     ((o_ref * do).sum() + ((lse_ref * dlse).sum() if with_lse else 0)).backward()
 
-    mine = {n: t.detach().clone().requires_grad_(n != "M" or weight_grad)
+    mine = {n: leaf(n, t.detach().clone() if isinstance(t, torch.Tensor) else t)
             for n, t in _shard(name, full, rank, world, shards, causal).items()}
     try:
         if with_lse:
@@ -130,9 +153,9 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
     loss.backward()
     assert o.shape == do_mine.shape
     for n, t in mine.items():
-        if n == "M" and not weight_grad:
+        if (n == "M" and not weight_grad) or not isinstance(t, torch.Tensor) or not t.is_floating_point():
             continue
-        if n in ("scale", "sink"):  # read by every shard: the ranks' gradients sum to it
+        if n in SHARED:  # read by every shard: the ranks' gradients sum to it
             grad = t.grad.clone()
             dist.all_reduce(grad)
             errors[f"d{n}"] = _rel(grad, ref[n].grad)
@@ -157,8 +180,10 @@ def _spawn(tmp_path: Path, world: int, cases: list, target=_worker) -> None:
 CASES = {
     2: [("causal_softmax_attention", [10, 10]), ("signed_l1_attention", [7, 12]), ("causal_gqa_spherical", [14, 14]),
         ("causal_spherical_attention+factorized", [38, 38]), ("sink_softmax", [10, 10]),
-        ("softmax_plus_one", [7, 12])],
-    3: [("spherical_attention+factorized", [9, 20, 13]), ("causal_softmax_attention+lse", [6, 6, 6])],
+        ("softmax_plus_one", [7, 12]), ("alibi_softmax", [10, 10]), ("document_softmax", [14, 14]),
+        ("t5_log_bucket_softmax", [9, 14])],
+    3: [("spherical_attention+factorized", [9, 20, 13]), ("causal_softmax_attention+lse", [6, 6, 6]),
+        ("sliding_window_softmax", [10, 10, 10])],
     4: [("causal_spherical_attention", [6, 6, 6, 6]), ("causal_gqa_spherical+factorized", [10, 10, 10, 10])],
 }
 
@@ -205,9 +230,14 @@ def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None
     with pytest.raises(CallError, match="return_lse under context parallelism runs on the ring"):
         context_parallel_attention(_load("causal_spherical_attention+factorized", cache), **x, return_lse=True)
     # what the ring does not carry is refused before any collective, on each rank alone
-    alibi = {n: torch.randn(B, H, 4, D) for n in "QKV"}
-    with pytest.raises(CallError, match="does not take score or mask modifiers"):
-        context_parallel_attention(_load("alibi_softmax", cache), **alibi, slope=torch.rand(H))
+    qkv = {n: torch.randn(B, H, 4, D) for n in "QKV"}
+    with pytest.raises(CallError, match=r"cuts bias \[head query key\] along both 'query' and 'key'"):
+        context_parallel_attention(_load("biased_softmax", cache), **qkv, bias=torch.randn(H, 4, 4))
+    ids = torch.zeros(B, 4, dtype=torch.int32)
+    with pytest.raises(CallError, match="masked context parallelism takes two equal chunks"):  # uneven, masked
+        context_parallel_attention(_load("document_softmax", cache),
+                                   **{n: t[:, :, :3 + rank] for n, t in qkv.items()}, q_doc=ids[:, :3 + rank],
+                                   k_doc=ids[:, :3 + rank])
     dist.destroy_process_group()
 
 

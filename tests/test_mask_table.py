@@ -45,8 +45,8 @@ def _positions():
 @triton.jit
 def _different_document(i, j, b, h, C):
     """q_doc[b, i] != k_doc[b, j]: never one interval of keys (the documents before and after)."""
-    kd = tl.load(C[3] + b.to(tl.int64) * C[4] + j * C[5], mask=(j < C[1]), other=0)
-    qd = tl.load(C[6] + b.to(tl.int64) * C[7] + i * C[8], mask=(i < C[0]), other=0)
+    kd = tl.load(C[7] + b.to(tl.int64) * C[8] + j * C[9], mask=(j < C[1]), other=0)
+    qd = tl.load(C[10] + b.to(tl.int64) * C[11] + i * C[12], mask=(i < C[0]), other=0)
     return qd != kd
 
 
@@ -65,20 +65,20 @@ def _window_per_head(i, j, b, h, C):
 @triton.jit
 def _padded_document_per_head(i, j, b, h, C):
     """Same document, causal, keys below kv_len[b] and queries below q_len[h]: fully masked rows and columns."""
-    kd = tl.load(C[3] + b.to(tl.int64) * C[4] + j * C[5], mask=(j < C[1]), other=0)
-    qd = tl.load(C[6] + b.to(tl.int64) * C[7] + i * C[8], mask=(i < C[0]), other=0)
-    kv_len = tl.load(C[9] + b.to(tl.int64) * C[10])
-    q_len = tl.load(C[11] + h * C[12])
+    kd = tl.load(C[7] + b.to(tl.int64) * C[8] + j * C[9], mask=(j < C[1]), other=0)
+    qd = tl.load(C[10] + b.to(tl.int64) * C[11] + i * C[12], mask=(i < C[0]), other=0)
+    kv_len = tl.load(C[13] + b.to(tl.int64) * C[14])
+    q_len = tl.load(C[15] + h * C[16])
     return (qd == kd) & (j <= i) & (j < kv_len) & (i < q_len)
 
 
 @triton.jit
 def _counted_document(i, j, b, h, C):
-    """Same document and causal, adding the number of (i, j) pairs evaluated to the counter C[9]."""
-    kd = tl.load(C[3] + b.to(tl.int64) * C[4] + j * C[5], mask=(j < C[1]), other=0)
-    qd = tl.load(C[6] + b.to(tl.int64) * C[7] + i * C[8], mask=(i < C[0]), other=0)
+    """Same document and causal, adding the number of (i, j) pairs evaluated to the counter C[13]."""
+    kd = tl.load(C[7] + b.to(tl.int64) * C[8] + j * C[9], mask=(j < C[1]), other=0)
+    qd = tl.load(C[10] + b.to(tl.int64) * C[11] + i * C[12], mask=(i < C[0]), other=0)
     ones = (i + j) * 0 + 1
-    tl.atomic_add(C[9], tl.sum(tl.sum(ones, 1), 0))
+    tl.atomic_add(C[13], tl.sum(tl.sum(ones, 1), 0))
     return (qd == kd) & (j <= i)
 
 
@@ -97,7 +97,7 @@ def _causal_query_range(cols, b, h, C):
 
 
 def _context(*tensors: torch.Tensor) -> tuple:
-    context: list = [N_Q, N_K, 1]
+    context: list = [N_Q, N_K, 1, 0, 0, N_Q, N_K]  # (runtime.py's base_context: one device's whole sequence)
     for t in tensors:
         context += [t, *t.stride()]
     return tuple(context)
@@ -196,7 +196,7 @@ def test_the_scan_visits_only_pairs_inside_the_outer_bound_and_the_other_table()
     n, doc, (block_own, block_scan) = 96, 16, mt.INTERPRETER_BLOCKS
     ids = (torch.arange(n) // doc).to(torch.int32)[None].expand(B, n)
     counter = torch.zeros(1, dtype=torch.int32)
-    context = (n, n, 1, ids, *ids.stride(), ids, *ids.stride(), counter)
+    context = (n, n, 1, 0, 0, n, n, ids, *ids.stride(), ids, *ids.stride(), counter)
 
     def evaluations(build, **kwargs) -> tuple[int, torch.Tensor]:
         counter.zero_()
@@ -296,12 +296,12 @@ def test_the_block_reduction_bounds_what_any_row_sees_and_runs_unmasked_only_wha
 # hooks as the generated ones will read the tables: C = (the spec's context, rows table, cols table)
 @triton.jit
 def _table_key_range(rows, b, h, C):
-    return mt.table_range(C[9], C[10], C[11], C[12], rows, C[0], b, h)
+    return mt.table_range(C[13], C[14], C[15], C[16], rows, C[0], b, h)
 
 
 @triton.jit
 def _table_query_range(cols, b, h, C):
-    return mt.table_range(C[13], C[14], C[15], C[16], cols, C[1], b, h)
+    return mt.table_range(C[17], C[18], C[19], C[20], cols, C[1], b, h)
 
 
 DOCUMENT_16 = """\

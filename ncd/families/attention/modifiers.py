@@ -11,8 +11,12 @@ i (queries) and j (keys), so the same hook serves the forward's [queries, keys] 
     SCORE_GRADS(ds', s, i, j, b, h, C, G)    adds ds' dM/dT into the fp32 gradient buffer of each float tensor T
     MASK(i, j, b, h, C) -> visible           KEY_RANGE(rows, b, h, C), QUERY_RANGE(cols, b, h, C)
 
-C is the call's context tuple: (N_Q, N_K, GROUP, then per tensor its pointer and one stride per dimension, then the
-scalar inputs and axis sizes the hooks read); G holds the gradient buffers (pointer and strides each). The ranges
+C is the call's context tuple: (N_Q, N_K, GROUP, Q_OFFSET, K_OFFSET, N_Q_TOTAL, N_K_TOTAL, then per tensor its pointer
+and one stride per dimension, then the scalar inputs and axis sizes the hooks read); G holds the gradient buffers
+(pointer and strides each). i and j index the call's rows and keys, and so do the tensors' query and key dimensions;
+a position read as a value is i + Q_OFFSET or j + K_OFFSET and size(query), size(key) are the totals. One device's
+call passes offsets 0 and its own sizes; context parallelism (ring.py) passes where a shard's rows and keys sit in
+the whole sequence, so the hooks see the same positions as the whole-sequence op. The ranges
 come from the mask's exact visible interval (mask_ranges.py): (lo, full_lo, full_hi, hi) such that the block of rows
 sees no key outside [lo, hi) and every key in [full_lo, full_hi), so the kernels skip blocks outside and run the
 inside without the mask. Without an interval the range is everything, every block masked."""
@@ -35,6 +39,9 @@ from ncd.symbolic import TritonPrinter
 BATCH, HEAD, KV_HEAD, GROUP_INDEX, QUERY, KEY = "b", "h", "hk", "g", "i", "j"
 INDEX = "x"  # a dimension read at an index expression (a gather: T5's table[head, clamp(key - query, -R, R) + R])
 _ROLE_TEXT = {BATCH: "b", HEAD: "h", KV_HEAD: "(h // C[2])", GROUP_INDEX: "(h % C[2])", QUERY: "i", KEY: "j"}
+# a position as a value (not as a tensor's index): the call's index plus its shard's offset
+_VALUE_TEXT = {**_ROLE_TEXT, QUERY: "(i + C[3])", KEY: "(j + C[4])"}
+SLOTS = 7  # N_Q, N_K, GROUP, Q_OFFSET, K_OFFSET, N_Q_TOTAL, N_K_TOTAL
 
 
 class UnsupportedModifier(NotStreamable):
@@ -161,7 +168,7 @@ class _Context:
             if len(factors) == 2:
                 self.roles[factors[1]] = GROUP_INDEX
         self.query, self.key = query, k_axes[2]
-        self.slots = 3  # N_Q, N_K, GROUP
+        self.slots = SLOTS
         self.tensors: dict[str, tuple[ModTensor, int]] = {}
         self.scalars: dict[str, int] = {}
         self.sizes: dict[str, int] = {}
@@ -175,7 +182,7 @@ class _Context:
         if role is None or role in (KV_HEAD, GROUP_INDEX):
             raise UnsupportedModifier(span, detail=f"the attention kernels read the positions of the batch, head, "
                                       f"query and key axes; '{axis}' is none of them")
-        return _ROLE_TEXT[role]
+        return _VALUE_TEXT[role]
 
     def tensor(self, load: ir.Load, in_score: bool) -> tuple[ModTensor, int]:
         tensor = self.program.tensor(load.tensor)
@@ -221,9 +228,9 @@ class _Context:
 
     def size(self, axis: str) -> str:
         if axis == self.query:
-            return "C[0]"
+            return "C[5]"
         if axis == self.key:
-            return "C[1]"
+            return "C[6]"
         if axis not in self.sizes:
             self.sizes[axis] = self.slots
             self.slots += 1
@@ -273,10 +280,10 @@ class _Context:
         reduced = reduced.xreplace({r: sympy.simplify(r) for r in relations})
         if reduced.free_symbols != {offset}:
             return None
-        i, j = _ROLE_TEXT[QUERY], _ROLE_TEXT[KEY]
+        i, j = _VALUE_TEXT[QUERY], _VALUE_TEXT[KEY]
         slot = self.offset_slots.get(reduced)
         if slot is not None:  # the same index read again: the same table
-            return f"tl.load(C[{slot}] + tl.minimum(tl.maximum({j} - {i} + C[0] - 1, 0), C[0] + C[1] - 2))"
+            return f"tl.load(C[{slot}] + tl.minimum(tl.maximum({j} - {i} + C[5] - 1, 0), C[5] + C[6] - 2))"
         try:
             code = torch_code(reduced, "_offset")
         except ValueError:
@@ -291,7 +298,7 @@ class _Context:
         slot = self.offset_slots[reduced] = self.slots
         self.slots += 1
         self.layout.append(("offsets", name))
-        return f"tl.load(C[{slot}] + tl.minimum(tl.maximum({j} - {i} + C[0] - 1, 0), C[0] + C[1] - 2))"
+        return f"tl.load(C[{slot}] + tl.minimum(tl.maximum({j} - {i} + C[5] - 1, 0), C[5] + C[6] - 2))"
 
     @staticmethod
     def dimension(mod: ModTensor, d: int) -> str:
@@ -522,9 +529,9 @@ def _mask_hooks(ctx: _Context, mask: ir.Node | None, origin: str, description: l
         description.append(f"    {label}: {text}" + ("" if exact or interval is None else
                                                      " (outer bound of the conjuncts that are intervals: blocks "
                                                      "outside it skipped, every block inside masked)"))
-        name, rows, n_rows, n_cols = ("_key_range", QUERY, "C[0]", "C[1]") if role == KEY else \
-            ("_query_range", KEY, "C[1]", "C[0]")
-        parts.append(_range_hook(ctx, name, interval, exact, leaves, rows, n_rows, n_cols, origin))
+        name, rows, n_rows, n_cols, shift = ("_key_range", QUERY, "C[0]", "C[1]", "C[4]") if role == KEY else \
+            ("_query_range", KEY, "C[1]", "C[0]", "C[3]")
+        parts.append(_range_hook(ctx, name, interval, exact, leaves, rows, n_rows, n_cols, shift, origin))
     return parts, all_exact
 
 
@@ -561,9 +568,10 @@ def _readable(text: str, words: dict[str, str], sizes: frozenset[str] = frozense
 
 
 def _range_hook(ctx: _Context, name: str, interval, exact: bool, leaves, row: str, n_rows: str, n_cols: str,
-                origin: str) -> str:
-    """(lo, full_lo, full_hi, hi) over a block of rows (`rows`, a vector of positions along `row`); without an
-    exact interval no block is full."""
+                shift: str, origin: str) -> str:
+    """(lo, full_lo, full_hi, hi) over a block of rows (`rows`, a vector of the call's indices along `row`); without
+    an exact interval no block is full. The interval bounds positions in the whole sequence: `shift` (the columns'
+    offset) takes them back to the call's columns, clipped to [0, n_cols]."""
     params = "rows, b, h, C"
     everything = _hook(name, params, origin, ["    zero = tl.min(rows, 0) * 0"], f"zero, zero, zero, zero + {n_cols}")
     if interval is None:
@@ -578,10 +586,11 @@ def _range_hook(ctx: _Context, name: str, interval, exact: bool, leaves, row: st
             exprs[label] = _Printer(ctx.names(value, table), ints=True).doprint(value)
         except ValueError:  # a bound the printer has no Triton for (a Piecewise): no skipping, still exact
             return everything
-    lower = f"({exprs['lower']}) + 0 * rows" if "lower" in exprs else "0 * rows"
-    upper = f"({exprs['upper']}) + 1 + 0 * rows" if "upper" in exprs else f"{n_cols} + 0 * rows"
+    lower = f"({exprs['lower']}) - {shift} + 0 * rows" if "lower" in exprs else "0 * rows"
+    upper = f"({exprs['upper']}) + 1 - {shift} + 0 * rows" if "upper" in exprs else f"{n_cols} + 0 * rows"
     gate = exprs.get("gate", "True")
-    lines += [f"    lower = ({lower}).to(tl.int32)", f"    upper = ({upper}).to(tl.int32)",
+    lines += [fit("lower = ", f"tl.minimum(tl.maximum(({lower}).to(tl.int32), 0), {n_cols})"),
+              fit("upper = ", f"tl.minimum(tl.maximum(({upper}).to(tl.int32), 0), {n_cols})"),
               f"    in_range = rows < {n_rows}",
               f"    valid = in_range & ({gate})" if gate != "True" else "    valid = in_range",
               f"    lo = tl.min(tl.where(valid, lower, {n_cols}), 0)",

@@ -108,10 +108,63 @@ def merge(kernels: AttentionKernels, o: torch.Tensor, z: torch.Tensor, m: torch.
 
 
 @dataclass(frozen=True)
+class RingModifiers:
+    """A spec's score and mask hooks on the ring (modifiers.py). context(q, k, tensors, place, columns): the hooks'
+    context for one call (runtime.py), place = (query offset, key offset, total queries, total keys). tensors: the
+    op's modifier tensors on this rank, with each one's query and key dimension (None: none): the query dimension
+    is cut to the call's rows, the key dimension travels with the key shard. takes_grad: the tensors the kernels
+    add gradients to (float tensors of the score), given buffers for all of them; wanted: the caller wants one of
+    them (then none has a key dimension). zigzag: a mask hides pairs (the causal layout)."""
+
+    context: Callable[..., tuple]
+    tensors: tuple[torch.Tensor, ...]
+    query_dims: tuple[int | None, ...]
+    key_dims: tuple[int | None, ...]
+    takes_grad: tuple[bool, ...]
+    wanted: bool
+    zigzag: bool
+
+    def travelling(self) -> list[torch.Tensor]:
+        return [t for t, d in zip(self.tensors, self.key_dims, strict=True) if d is not None]
+
+    def shard_shapes(self, n_k: int) -> list[tuple[torch.Size, torch.dtype]]:
+        """(shape, dtype) of the travelling tensors at key length n_k."""
+        return [(torch.Size(n_k if i == d else size for i, size in enumerate(t.shape)), t.dtype)
+                for t, d in zip(self.tensors, self.key_dims, strict=True) if d is not None]
+
+    def call(self, q: torch.Tensor, k: torch.Tensor, rows: slice, keys: slice, shard: list[torch.Tensor],
+             place: tuple | None, columns: bool, buffers: list[torch.Tensor] | None = None) -> tuple:
+        """(context, gradient buffers G, [(part of a buffer, the call's buffer)]) of one call: this rank's q[rows]
+        against the held shard's k[keys] (`shard`: its travelling tensors); buffers: the fp32 gradients of the
+        tensors that take one (whole). The kernels zero G before they add to it (kernel.py: the autotuner runs
+        them repeatedly), so each call gets zeroed buffers of its own, added to `buffers` after it."""
+        held = iter(shard)
+        tensors = []
+        for t, q_dim, k_dim in zip(self.tensors, self.query_dims, self.key_dims, strict=True):
+            if k_dim is not None:
+                t = _cut(next(held), k_dim, keys)
+            tensors.append(_cut(t, q_dim, rows) if q_dim is not None else t)
+        grads: tuple = ()
+        pairs = []
+        dims = [d for d, g in zip(self.query_dims, self.takes_grad, strict=True) if g] if buffers is not None else []
+        for b, dim in zip(buffers or [], dims, strict=True):
+            part = _cut(b, dim, rows) if dim is not None else b
+            own = torch.zeros(part.shape, dtype=part.dtype, device=part.device)
+            grads += (own, *own.stride())
+            pairs.append((part, own))
+        return self.context(q[:, :, rows], k[:, :, keys], tensors, place, columns), grads, pairs
+
+
+def _cut(t: torch.Tensor, dim: int, part: slice) -> torch.Tensor:
+    return t[(slice(None),) * dim + (part,)]
+
+
+@dataclass(frozen=True)
 class Ring:
     """One context-parallel call: the kernels (and their copy without the causal flag), the group, this rank,
-    every rank's key-shard length (from the shard check), the sink (its dimensions among batch, head, query, its
-    constant place, u and u': kernel_sink.py) and the rate of the row statistic's running-max term (lse)."""
+    every rank's (query, key) shard lengths (from the shard check), the sink (its dimensions among batch, head,
+    query, its constant place, u and u': kernel_sink.py), the rate of the row statistic's running-max term (lse)
+    and the score and mask hooks' inputs."""
 
     kernels: AttentionKernels
     unmasked: AttentionKernels
@@ -119,9 +172,14 @@ class Ring:
     group: Any
     rank: int
     world: int
-    key_lengths: tuple[int, ...]
+    lengths: tuple[tuple[int, int], ...]
     sink: tuple | None = None
     stat_rate: float = 0.0
+    modifiers: RingModifiers | None = None
+
+    @property
+    def key_lengths(self) -> tuple[int, ...]:
+        return tuple(n_k for _, n_k in self.lengths)
 
     @property
     def causal(self) -> bool:
@@ -131,16 +189,31 @@ class Ring:
         """The rank whose key shard this rank holds at `step`."""
         return (self.rank - step) % self.world
 
-    def blocks(self, step: int, n_q: int) -> list[tuple[slice, slice, AttentionKernels]]:
-        """(query rows, key rows, kernels) of the calls at `step` (module docstring: the zigzag's three cases)."""
+    def blocks(self, step: int, n_q: int) -> list[tuple[slice, slice, AttentionKernels, tuple | None]]:
+        """(query rows, key rows, kernels, place) of the calls at `step` (module docstring: the zigzag's three
+        cases). With modifiers, one call per pair of a query and a key piece, each with its place in the whole
+        sequence (RingModifiers.call)."""
         whole = slice(None)
         owner = self.owner(step)
+        if self.modifiers is not None:
+            totals = (sum(n for n, _ in self.lengths), sum(n for _, n in self.lengths))
+            return [(rows, keys, self.kernels, (q_at, k_at, *totals))
+                    for rows, q_at in self.pieces(self.rank, 0) for keys, k_at in self.pieces(owner, 1)]
         if not self.causal or owner == self.rank:
-            return [(whole, whole, self.kernels)]
+            return [(whole, whole, self.kernels, None)]
         half = n_q // 2
         if owner < self.rank:  # its first chunk precedes both of ours; its second follows both
-            return [(whole, slice(0, half), self.unmasked)]
-        return [(slice(half, None), whole, self.unmasked)]  # it follows our first chunk, precedes our second
+            return [(whole, slice(0, half), self.unmasked, None)]
+        return [(slice(half, None), whole, self.unmasked, None)]  # it follows our first chunk, precedes our second
+
+    def pieces(self, rank: int, axis: int) -> list[tuple[slice, int]]:
+        """(positions within the shard, offset in the whole sequence) of rank's contiguous pieces along the query
+        (axis 0) or key (1) axis: the zigzag's two chunks, or the whole shard in rank order."""
+        assert self.modifiers is not None
+        if self.modifiers.zigzag:
+            half = self.lengths[rank][axis] // 2
+            return [(slice(0, half), rank * half), (slice(half, 2 * half), (2 * self.world - 1 - rank) * half)]
+        return [(slice(None), sum(lengths[axis] for lengths in self.lengths[:rank]))]
 
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -176,13 +249,19 @@ def _packed_bytes(shapes: list[tuple[torch.Size, torch.dtype]]) -> int:
 
 
 def _shard_shapes(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int,
-                  dtype: torch.dtype | None = None) -> list[tuple[torch.Size, torch.dtype]]:
-    """(shape, dtype) of a shard's k, v (and w) at key length n_k (dtype: in place of k's and v's)."""
-    shapes = [(torch.Size((*k.shape[:2], n_k, k.shape[3])), dtype or k.dtype),
-              (torch.Size((*v.shape[:2], n_k, v.shape[3])), dtype or v.dtype)]
+                  modifiers: RingModifiers | None = None) -> list[tuple[torch.Size, torch.dtype]]:
+    """(shape, dtype) of a shard's k, v (and w, and the modifier tensors over keys) at key length n_k."""
+    shapes = [(torch.Size((*k.shape[:2], n_k, k.shape[3])), k.dtype),
+              (torch.Size((*v.shape[:2], n_k, v.shape[3])), v.dtype)]
     if w is not None:
         shapes.append((torch.Size((w.shape[0], n_k)), torch.float32))
-    return shapes
+    return shapes + (modifiers.shard_shapes(n_k) if modifiers is not None else [])
+
+
+def _shard(ring: Ring, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """This rank's key shard packed for the ring: k, v, w and the modifier tensors over keys."""
+    return _pack([k, v, *([w.float()] if w is not None else []),
+                  *(ring.modifiers.travelling() if ring.modifiers is not None else [])])
 
 
 def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None) -> tuple:
@@ -192,16 +271,21 @@ def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     o = torch.zeros((batch, hq, n_q, v.shape[3]), dtype=torch.float32, device=q.device)
     z = torch.zeros((batch, hq, n_q), dtype=torch.float32, device=q.device)
     m = torch.zeros_like(z) if online else None
-    shard = _pack([k, v, *([w.float()] if w is not None else [])])
+    mods = ring.modifiers
+    shard = _shard(ring, k, v, w)
     for step in range(ring.world):
         pending = []
         if step + 1 < ring.world:
-            incoming = shard.new_empty(_packed_bytes(_shard_shapes(k, v, w, ring.key_lengths[ring.owner(step + 1)])))
+            incoming = shard.new_empty(_packed_bytes(_shard_shapes(k, v, w, ring.key_lengths[ring.owner(step + 1)],
+                                                                   mods)))
             pending = ring.exchange(shard, incoming)
-        k_s, v_s, *w_s = _unpack(shard, _shard_shapes(k, v, w, ring.key_lengths[ring.owner(step)]))
-        for rows, keys, kernels in ring.blocks(step, n_q):
+        k_s, v_s, *rest = _unpack(shard, _shard_shapes(k, v, w, ring.key_lengths[ring.owner(step)], mods))
+        w_s, held = rest[:int(w is not None)], rest[int(w is not None):]
+        for rows, keys, kernels, place in ring.blocks(step, n_q):
             w_b = w_s[0][:, keys] if w_s else None
-            part, (z_p, m_p) = kernels.forward(q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys], w_b, ring.scale)
+            context = mods.call(q, k_s, rows, keys, held, place, False)[0] if mods is not None else None
+            part, (z_p, m_p) = kernels.forward(q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys], w_b, ring.scale,
+                                               context)
             merge(ring.kernels, o[:, :, rows], z[:, :, rows], m[:, :, rows] if m is not None else None, part, z_p, m_p)
         for request in pending:
             request.wait()
@@ -212,38 +296,48 @@ def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   w: torch.Tensor | None, o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None,
-                  delta_in: torch.Tensor | None = None, weight_grad: bool = False) -> tuple:
+                  delta_in: torch.Tensor | None = None, weight_grad: bool = False,
+                  buffers: list[torch.Tensor] | None = None) -> tuple:
     """(dq, dk, dv, dw or None) of this rank's shard: each step's ordinary backward against the shard held, from
     the rows' final (o, z, m); dK/dV (and the per-key weight's gradient, with weight_grad) accumulate in fp32 on the
     shard's turn around the ring. delta_in: the row statistic's gradient term (runtime.py's `_backward_lse`), added
-    to each row's delta in every step."""
+    to each row's delta in every step. buffers: the modifier tensors' fp32 gradients (RingModifiers), added to."""
     n_q = q.shape[2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    shard = _pack([k, v, *([w.float()] if w is not None else [])])
+    mods = ring.modifiers
+    shard = _shard(ring, k, v, w)
     grads_home: torch.Tensor | None = None
     pending_grads: list = []
     for step in range(ring.world):
         owner = ring.owner(step)
         pending = []
         if step + 1 < ring.world:
-            incoming = shard.new_empty(_packed_bytes(_shard_shapes(k, v, w, ring.key_lengths[ring.owner(step + 1)])))
+            incoming = shard.new_empty(_packed_bytes(_shard_shapes(k, v, w, ring.key_lengths[ring.owner(step + 1)],
+                                                                   mods)))
             pending = ring.exchange(shard, incoming)
-        k_s, v_s, *w_s = _unpack(shard, _shard_shapes(k, v, w, ring.key_lengths[owner]))
+        k_s, v_s, *rest = _unpack(shard, _shard_shapes(k, v, w, ring.key_lengths[owner], mods))
+        w_s, held = rest[:int(w is not None)], rest[int(w is not None):]
         dk_s = torch.zeros(k_s.shape, dtype=torch.float32, device=q.device)
         dv_s = torch.zeros(v_s.shape, dtype=torch.float32, device=q.device)
         dw_s = torch.zeros(w_s[0].shape if weight_grad else (0,), dtype=torch.float32, device=q.device)
-        for rows, keys, kernels in ring.blocks(step, n_q):
+        for rows, keys, kernels, place in ring.blocks(step, n_q):
             w_b = w_s[0][:, keys] if w_s else None
             stats = (z[:, :, rows].contiguous(), m[:, :, rows].contiguous() if m is not None else None)
             extra = None if delta_in is None else delta_in[:, :, rows].contiguous()
+            context, g_args, pairs = mods.call(q, k_s, rows, keys, held, place, True, buffers) if mods is not None \
+                else (None, (), [])
             dq_b, dk_b, dv_b = kernels.backward(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys],
-                                                o[:, :, rows], stats, w_b, ring.scale, delta_in=extra)
+                                                o[:, :, rows], stats, w_b, ring.scale, context, g_args,
+                                                delta_in=extra)
+            for part, own in pairs:
+                part += own
             dq[:, :, rows] += dq_b
             dk_s[:, :, keys] += dk_b
             dv_s[:, :, keys] += dv_b
             if weight_grad and w_b is not None:
                 dw_s[:, keys] += kernels.weight_gradient(do[:, :, rows], q[:, :, rows], k_s[:, :, keys],
-                                                         v_s[:, :, keys], w_b, o[:, :, rows], *stats, ring.scale)
+                                                         v_s[:, :, keys], w_b, o[:, :, rows], *stats, ring.scale,
+                                                         context)
         grads = torch.cat([dk_s.reshape(-1), dv_s.reshape(-1), dw_s.reshape(-1)])
         if grads_home is not None:  # the accumulator of this shard, from the ranks it visited before
             for request in pending_grads:
@@ -280,7 +374,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None,
-                sink: torch.Tensor | None, ring: Ring) -> tuple:
+                sink: torch.Tensor | None, ring: Ring, *modifier_tensors: torch.Tensor) -> tuple:
         o, z, m = ring_forward(ring, q, k, v, w)
         if ring.sink is not None:
             dims, place, sink_map, _ = ring.sink
@@ -305,13 +399,23 @@ class RingAttention(torch.autograd.Function):
         delta_in = None
         if dlse is not None:  # d lse / d z = 1 / z (z relative to the running max, as the kernels keep it)
             delta_in = torch.where(z != 0, -dlse.float() / torch.where(z != 0, z, 1.0), 0.0)
+        mods = ring.modifiers
+        buffers = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                   for t, grad in zip(mods.tensors, mods.takes_grad, strict=True) if grad] \
+            if mods is not None and mods.wanted else None
         dq, dk, dv, dw = ring_backward(ring, do, q, k, v, w, o, z, m, delta_in,
-                                       weight_grad=w is not None and ctx.needs_input_grad[3])
+                                       weight_grad=w is not None and ctx.needs_input_grad[3], buffers=buffers)
+        mod_grads: list[torch.Tensor | None] = []
+        if mods is not None:  # this rank's queries' share: the ranks' gradients sum to the whole one
+            made = iter(buffers or [])
+            mod_grads = [next(made).to(t.dtype) if grad and buffers is not None else None
+                         for t, grad in zip(mods.tensors, mods.takes_grad, strict=True)]
+            mod_grads = [g if need else None for g, need in zip(mod_grads, ctx.needs_input_grad[6:], strict=True)]
         dsink = None
         if ring.sink is not None and sink is not None and ctx.needs_input_grad[4]:
             dims, _, sink_map, dsink_map = ring.sink
             dsink = kernel_sink.gradient(ring.kernels, do, o, z, m, sink, dims, sink_map, dsink_map, delta_in)
-        return dq, dk, dv, dw, dsink, None
+        return dq, dk, dv, dw, dsink, None, *mod_grads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,13 +553,16 @@ class Sharding:
 def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      w: torch.Tensor | None, scale: float, group: Any, names: tuple[str, str],
                      factorized: Callable[[int, int], bool] | None = None, *, sink: torch.Tensor | None = None,
-                     sink_spec: tuple | None = None, stat_rate: float = 0.0, return_lse: bool = False) -> Any:
+                     sink_spec: tuple | None = None, stat_rate: float = 0.0, return_lse: bool = False,
+                     modifiers: RingModifiers | None = None) -> Any:
     """The op's o on this rank's shard of queries (kernel layout [B, Hq, Nq, D]) against every rank's keys. One
     all_gather of every rank's (Nq, Nk) sizes the transfers (ncd.distributed checked the shards before the op ran);
     causal: the same even length for queries and keys on every rank, else the same CallError on every rank. names:
     the spec's names of q and k. factorized(total Nq, total Nk): whether the op would run its factorized form on one
     device at those lengths; then the states' form (Segments) runs instead of the ring. sink, sink_spec: the sink's
-    logits (or None: a constant place) and (dims, place, u, u'), for the ring (Ring). return_lse: (o, lse)."""
+    logits (or None: a constant place) and (dims, place, u, u'), for the ring (Ring). return_lse: (o, lse).
+    modifiers: the score and mask hooks' inputs; they run on the ring, with the zigzag layout where a mask hides
+    pairs, else with shards in rank order (any lengths)."""
     table = None
     if isinstance(group, Sharding):
         group, table = group.group, list(group.lengths)
@@ -466,15 +573,15 @@ def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor
         lengths = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(lengths, mine, group=group)
         table = [tuple(row.tolist()) for row in lengths]
-    if kernels.causal:
+    if kernels.causal or (modifiers is not None and modifiers.zigzag):
         for r, (n_q, n_k) in enumerate(table):
             if (n_q, n_k) != table[0] or n_q != n_k or n_q % 2:
                 raise CallError(None, detail=f"rank {r}: {names[0]} holds {n_q} positions and {names[1]} {n_k}, "
-                                f"rank 0's {table[0][0]} and {table[0][1]}: causal context parallelism takes two "
-                                "equal chunks of queries and keys per rank, the same on every rank "
-                                "(ncd.distributed.zigzag_shard)")
+                                f"rank 0's {table[0][0]} and {table[0][1]}: {'causal' if kernels.causal else 'masked'}"
+                                " context parallelism takes two equal chunks of queries and keys per rank, the same "
+                                "on every rank (ncd.distributed.zigzag_shard)")
     rank = dist.get_rank(group)
-    if factorized is not None and factorized(sum(n for n, _ in table), sum(n for _, n in table)):
+    if modifiers is None and factorized is not None and factorized(sum(n for n, _ in table), sum(n for _, n in table)):
         wanted = "return_lse" if return_lse else "a per-key weight that requires grad" if (
             w is not None and w.requires_grad) else None
         if wanted is not None:
@@ -482,9 +589,9 @@ def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor
                             "and at these lengths the op runs its factorized form: load the op with "
                             "factorize='never' (Op.with_config) to take it")
         return FactorizedContextParallel.apply(q, k, v, w, Segments(kernels, float(scale), group, rank, world))
-    ring = Ring(kernels, kernels.without_causal(), float(scale), group, rank, world, tuple(n_k for _, n_k in table),
-                sink_spec, stat_rate)
-    o, lse = RingAttention.apply(q, k, v, w, sink, ring)
+    ring = Ring(kernels, kernels.without_causal(), float(scale), group, rank, world,
+                tuple((int(n_q), int(n_k)) for n_q, n_k in table), sink_spec, stat_rate, modifiers)
+    o, lse = RingAttention.apply(q, k, v, w, sink, ring, *(modifiers.tensors if modifiers is not None else ()))
     return (o, lse) if return_lse else o
 
 

@@ -84,25 +84,28 @@ class AttentionOp:
     # --- launchers in the runtime's conventions ----------------------------------------------------------------
 
     def _context(self, q: torch.Tensor, k: torch.Tensor, tensors: Sequence[torch.Tensor], constants: Sequence[Any],
-                 columns: bool = False) -> tuple | None:
-        """The hooks' context tuple C: (N_Q, N_K, GROUP, each tensor's pointer and strides, the scalars, the
-        sizes), in modifiers.py's order, then the mask's range tables where it has them (mask_table.py: the rows
-        table, and the columns table with `columns`, else the rows table again in its place: a context for the
-        forward only, as the dK/dV kernels would read that [.., N_Q, 4] table at key indices); None without
-        modifiers."""
+                 columns: bool = False, place: tuple[int, int, int, int] | None = None) -> tuple | None:
+        """The hooks' context tuple C: (N_Q, N_K, GROUP, the shard's place (base_context), each tensor's pointer and
+        strides, the scalars, the sizes), in modifiers.py's order, then the mask's range tables where it has them
+        (mask_table.py: the rows table, and the columns table with `columns`, else the rows table again in its
+        place: a context for the forward only, as the dK/dV kernels would read that [.., N_Q, 4] table at key
+        indices); None without modifiers."""
         if not self.ns["KERNELS"].modified:
             return None
-        context = self.base_context(q, k, tensors, constants)
+        context = self.base_context(q, k, tensors, constants, place)
         return context + tuple(self._tables(q, k, context, columns)) if self.tables is not None else context
 
     def base_context(self, q: torch.Tensor, k: torch.Tensor, tensors: Sequence[torch.Tensor],
-                     constants: Sequence[Any]) -> tuple:
-        """C without the range tables: what the MASK hook and the compile-time bounds read."""
+                     constants: Sequence[Any], place: tuple[int, int, int, int] | None = None) -> tuple:
+        """C without the range tables: what the MASK hook and the compile-time bounds read. place: (query offset,
+        key offset, total queries, total keys) of a shard of the sequence (context parallelism); None: the call
+        holds the whole sequence."""
         values = (*tensors, *constants)
-        context: list[Any] = [q.shape[2], k.shape[2], q.shape[1] // k.shape[1]]
+        n_q, n_k = q.shape[2], k.shape[2]
+        context: list[Any] = [n_q, n_k, q.shape[1] // k.shape[1], *(place or (0, 0, n_q, n_k))]
         for entry, kind in self.mod_layout:
-            if kind == "offsets":
-                context.append(self._offsets(str(entry), q.shape[2], k.shape[2], q.device))
+            if kind == "offsets":  # over the offsets of the whole sequence
+                context.append(self._offsets(str(entry), context[5], context[6], q.device))
                 continue
             value = values[int(entry)]
             context += [value, *value.stride()] if kind == "tensor" else [value]
@@ -293,11 +296,11 @@ class AttentionOp:
         return sizes
 
     def _context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None,
-                          scale: float, sink: torch.Tensor | None, return_lse: bool, group: Any) -> Any:
-        """ring.context_parallel after the refusals of what it does not carry yet."""
-        if self.ns["KERNELS"].modified:
-            raise rt.CallError(None, detail=f"{self.spec_name}: context parallelism does not take score or mask "
-                               "modifiers yet (their hooks read positions within one device's sequence)")
+                          scale: float, sink: torch.Tensor | None, return_lse: bool, group: Any,
+                          mods: Sequence[Any], sizes: Mapping[str, int]) -> Any:
+        """ring.context_parallel, with the modifiers' inputs (`mods`: tensors, then scalars) where the spec has
+        them, after the refusals of what it does not carry."""
+        modifiers = self._ring_modifiers(mods, sizes) if self.ns["KERNELS"].modified else None
         tile = self.ns["head_tile"](q.shape[3])
         factorized = None if self.factorized is None else lambda n_q, n_k: self.ns["_use_factorized"](n_q, n_k, tile)
         sink_spec = None
@@ -305,7 +308,41 @@ class AttentionOp:
             sink_spec = (self.sink[1], self.sink[2], self.ns.get("_sink_map"), self.ns.get("_dsink_map"))
         return ring.context_parallel(self.ns["KERNELS"], q, k, v, w, scale, group, (self.query, self.key),
                                      factorized, sink=sink, sink_spec=sink_spec, stat_rate=self.stat_rate,
-                                     return_lse=return_lse)
+                                     return_lse=return_lse, modifiers=modifiers)
+
+    def _ring_modifiers(self, mods: Sequence[Any], sizes: Mapping[str, int]) -> ring.RingModifiers:
+        """The hooks' inputs on the ring: each tensor's query and key dimension (the query one cut to a call's rows,
+        the key one travelling with the key shard), the scalars and sizes as one device's op passes them."""
+        tensors, scalars = mods[:len(self.mod_tensors)], mods[len(self.mod_tensors):]
+        constants = (*scalars, *(sizes[a] for a in self.mod_sizes))
+        axes = dict(self.inputs)
+        q_axis, k_axis = self.sequence
+        query_dims, key_dims = [], []
+        wanted = torch.is_grad_enabled() and any(grad and t.requires_grad
+                                                 for (_, _, grad), t in zip(self.mod_tensors, tensors, strict=True))
+        for name, _, grad in self.mod_tensors:
+            dims = axes[name]
+            query_dims.append(dims.index(q_axis) if q_axis in dims else None)
+            key_dims.append(dims.index(k_axis) if k_axis in dims else None)
+            if query_dims[-1] is not None and key_dims[-1] is not None:
+                raise rt.CallError(None, detail=f"{self.spec_name}: context parallelism cuts {name} [{' '.join(dims)}]"
+                                   f" along both '{q_axis}' and '{k_axis}', which no rank holds for another rank's "
+                                   "keys (not implemented)", hint="run it on one device, or fold the tensor into "
+                                   "per-query and per-key tensors")
+            if key_dims[-1] is not None and grad and wanted:
+                raise rt.CallError(None, detail=f"{self.spec_name}: {name}'s gradient under context parallelism "
+                                   f"would travel with the '{k_axis}' shards (not implemented)",
+                                   hint="detach the modifier tensors, or run the op on one device")
+
+        def context(q: torch.Tensor, k: torch.Tensor, tensors: Sequence[torch.Tensor], place: tuple,
+                    columns: bool) -> tuple:
+            built = self._context(q, k, tensors, constants, columns, place)
+            assert built is not None
+            return built
+
+        return ring.RingModifiers(context, tuple(tensors), tuple(query_dims), tuple(key_dims),
+                                  tuple(grad for _, _, grad in self.mod_tensors), wanted,
+                                  zigzag=self.ns["KERNELS"].mask_hides)
 
     def _kernel_weight(self, w: torch.Tensor | None, sizes: Mapping[str, int]) -> torch.Tensor | None:
         """The weight as [batch key] float32: a [key] weight is shared by the batch."""
@@ -341,7 +378,7 @@ class AttentionOp:
         rows = [d for d in inverse if d != 3]  # lse: the output's axes without the value width, in the spec's order
         if group is not None:
             result = self._context_parallel(kq, kk, kv, kw, kernel_scale, mods[-1] if self.sink_tensor else None,
-                                            return_lse, group)
+                                            return_lse, group, mods[:-1] if self.sink_tensor else mods, sizes)
             return (result[0].permute(inverse), result[1].permute(rows)) if return_lse else result.permute(inverse)
         if 0 in kq.shape or 0 in kk.shape:  # empty batch, heads, queries, keys or head dim: nothing to launch
             # (no keys: every row is masked, so 0, as docs/language.md defines; its lse is -inf)
