@@ -34,7 +34,8 @@ def inputs(op_name: str, t: int, heads: int, device: torch.device) -> dict:
     return x
 
 
-ATTENTION = ("causal_softmax_attention", "causal_spherical_attention", "softmax_attention", "spherical_attention")
+ATTENTION = ("causal_softmax_attention", "causal_spherical_attention", "softmax_attention", "spherical_attention",
+             "sliding_window_softmax")  # (inputs Q, K, V; a window of 256 by default)
 
 
 def attention_inputs(t: int, heads: int, device: torch.device) -> dict:
@@ -133,7 +134,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         if op_name in ATTENTION:
             full = attention_inputs(args.t, args.heads, device)
             do = torch.randn(full["V"].shape, device=device, generator=torch.Generator(device=device).manual_seed(1))
-            causal = op.module.KERNELS.causal
+            causal = op.module.KERNELS.causal or op.module.KERNELS.mask_hides  # the zigzag layout (ring.py)
 
             def cut(t, causal=causal):
                 if causal:
