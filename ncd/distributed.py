@@ -217,7 +217,7 @@ def _incoming_output(runtime: Any, given: dict, state: torch.Tensor) -> torch.Te
 
 def _cumsum_over_time(x: torch.Tensor) -> torch.Tensor:
     """x.cumsum(1) for x [B, T, ...], scanned with time innermost: torch scans an outer axis with one thread per
-    inner element (B H of them here), 10x slower at T 32k on the H100."""
+    inner element (B H of them here): 4.84 ms against 0.049 ms at [1, 32768, 16] on an H100."""
     return x.movedim(1, -1).contiguous().cumsum(-1).movedim(-1, 1)
 
 

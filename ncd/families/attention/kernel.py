@@ -149,6 +149,16 @@ def _head_columns(HEAD_DIM: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _row_program(HQ, N_Q, BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV: tl.constexpr):
+    """A row-wise kernel's program on grid (row blocks, batch x heads): (bh, off_b, off_h, rows, in_q, offs_d,
+    d_ok), its rows and the mask of those that exist, and the value columns (`_head_columns`)."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d, d_ok = _head_columns(HEAD_DIM_V, DV)
+    return bh, bh // HQ, bh % HQ, rows, rows < N_Q, offs_d, d_ok
+
+
+@triton.jit
 def _value_columns(offs_d, d_ok, HEAD_DIM: tl.constexpr, D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    DV: tl.constexpr):
     """(offs_dv, dv_ok): the columns of v, o, dO and dV (true width DV, tile HEAD_DIM_V), as `_head_columns`; where

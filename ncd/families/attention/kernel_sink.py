@@ -28,9 +28,9 @@ import triton.language as tl
 
 from ncd.families.attention.kernel import (
     _head,
-    _head_columns,
     _load_rows,
     _row_delta,
+    _row_program,
     _store_rows,
     head_tile,
     sink_place,
@@ -48,11 +48,7 @@ def sink_merge_kernel(
 ):
     """o of a block of rows merged with the sink's state into OUT (same strides; module docstring), z and m in
     place. A row that saw no key (z = 0) keeps o = 0 and takes the sink's state alone."""
-    bh = tl.program_id(1)
-    off_b, off_h = bh // HQ, bh % HQ
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_q = rows < N_Q
-    offs_d, d_ok = _head_columns(HEAD_DIM_V, DV)
+    bh, off_b, off_h, rows, in_q, offs_d, d_ok = _row_program(HQ, N_Q, BLOCK_M, HEAD_DIM_V, DV)
     o_base = _head(O, off_b, off_h, stride_ob, stride_oh)
     o = _load_rows(o_base, rows, stride_om, stride_od, offs_d, in_q, d_ok).to(tl.float32)
     stat = bh.to(tl.int64) * N_Q + rows
@@ -86,11 +82,7 @@ def sink_grad_kernel(
 ):
     """d sigma per row, fp32 [B, H, N_Q]: -delta u'(sigma), times a2'(u - m) with the running max (module
     docstring)."""
-    bh = tl.program_id(1)
-    off_b, off_h = bh // HQ, bh % HQ
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_q = rows < N_Q
-    offs_d, d_ok = _head_columns(HEAD_DIM_V, DV)
+    bh, off_b, off_h, rows, in_q, offs_d, d_ok = _row_program(HQ, N_Q, BLOCK_M, HEAD_DIM_V, DV)
     o = _load_rows(_head(O, off_b, off_h, stride_ob, stride_oh), rows, stride_om, stride_od, offs_d, in_q, d_ok)
     do = _load_rows(_head(DO, off_b, off_h, stride_dob, stride_doh), rows, stride_dom, stride_dod, offs_d, in_q,
                     d_ok)

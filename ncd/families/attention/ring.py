@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ncd.errors import CallError
 from ncd.families.attention import kernel_sink
-from ncd.families.attention.kernel import AttentionKernels, _head, _head_columns, _load_rows, _store_rows, head_tile
+from ncd.families.attention.kernel import AttentionKernels, _head, _load_rows, _row_program, _store_rows, head_tile
 from ncd.families.attention.kernel_chunked import add_states
 
 BLOCK_ROWS = 32
@@ -54,11 +54,7 @@ def merge_kernel(
 ):
     """The partial state (P, ZP, MP) of a block of rows merged into (O fp32, Z, M) in place (module docstring). A row
     with z = 0 saw no key of nonzero weight: it weighs nothing, and a row neither side saw stays (0, 0, 0)."""
-    bh = tl.program_id(1)
-    off_b, off_h = bh // HQ, bh % HQ
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_q = rows < N_Q
-    offs_d, d_ok = _head_columns(HEAD_DIM_V, DV)
+    _, off_b, off_h, rows, in_q, offs_d, d_ok = _row_program(HQ, N_Q, BLOCK_M, HEAD_DIM_V, DV)
     o_base = _head(O, off_b, off_h, stride_ob, stride_oh)
     o = _load_rows(o_base, rows, stride_om, stride_od, offs_d, in_q, d_ok)
     p = _load_rows(_head(P, off_b, off_h, stride_pb, stride_ph), rows, stride_pm, stride_pd, offs_d, in_q,

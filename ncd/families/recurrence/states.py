@@ -47,10 +47,10 @@ def _outer_sum_kernel(X, Y, A, OUT, T, H, K, V, span, PREC: tl.constexpr, BT: tl
 
 
 @triton.jit
-def _project_kernel(X, Y, A, M, P_OUT, Q_OUT, DA, T, H, K, V, PREC: tl.constexpr, HAS_Y: tl.constexpr,
-                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """For one block of tokens of one (b, h), with P = x m [BT, V] and Q = y m^T [BT, K]:
-    P_OUT = a P; with HAS_Y also Q_OUT = a Q and DA = rowsum(P * y)."""
+def _project_kernel(X, Y, A, M, P_OUT, Q_OUT, DA, T, H, K, V, PREC: tl.constexpr, STORE_P: tl.constexpr,
+                    HAS_Y: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """For one block of tokens of one (b, h), with P = x m [BT, V] and Q = y m^T [BT, K]: with STORE_P,
+    P_OUT = a P; with HAS_Y, Q_OUT = a Q and DA = rowsum(P * y)."""
     bh, block = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     ts = block * BT + tl.arange(0, BT)
@@ -68,7 +68,8 @@ def _project_kernel(X, Y, A, M, P_OUT, Q_OUT, DA, T, H, K, V, PREC: tl.constexpr
         p = _dot(x, m, PREC)
         at = rows[:, None] * V + vs[None, :]
         ok = live[:, None] & (vs[None, :] < V)
-        tl.store(P_OUT + at, p * a[:, None], mask=ok)
+        if STORE_P:
+            tl.store(P_OUT + at, p * a[:, None], mask=ok)
         if HAS_Y:
             y = tl.load(Y + at, mask=ok, other=0.0)
             q = _dot(y, tl.trans(m), PREC, q)
@@ -103,16 +104,17 @@ def _outer_sum(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor) -> torch.Tenso
     return out.sum(0)
 
 
-def _project(x: torch.Tensor, m: torch.Tensor, a: torch.Tensor, y: torch.Tensor | None = None) -> tuple:
-    """(a (x m), a (y m^T), rowsum((x m) * y)); the last two None without y. fp32."""
+def _project(x: torch.Tensor, m: torch.Tensor, a: torch.Tensor, y: torch.Tensor | None = None,
+             store_p: bool = True) -> tuple:
+    """(a (x m), a (y m^T), rowsum((x m) * y)), fp32; the last two None without y, the first without store_p."""
     B, T, H, K = x.shape
     V = m.shape[-1]
-    p = torch.empty(B, T, H, V, dtype=torch.float32, device=x.device)
+    p = torch.empty(B, T, H, V, dtype=torch.float32, device=x.device) if store_p else None
     q = torch.empty(B, T, H, K, dtype=torch.float32, device=x.device) if y is not None else None
     da = torch.empty(B, T, H, dtype=torch.float32, device=x.device) if y is not None else None
     grid = (B * H, triton.cdiv(T, BLOCK_T))
-    _project_kernel[grid](x, y if y is not None else x, a, m, p, q if q is not None else p,
-                          da if da is not None else a, T, H, K, V, PREC=_precision(x),
+    _project_kernel[grid](x, y if y is not None else x, a, m, p if p is not None else a, q if q is not None else a,
+                          da if da is not None else a, T, H, K, V, PREC=_precision(x), STORE_P=store_p,
                           HAS_Y=y is not None, BT=BLOCK_T, BK=_tile(K, None), BV=_tile(V), num_warps=4)
     return p, q, da
 
@@ -146,7 +148,7 @@ class Project(torch.autograd.Function):
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple:  # type: ignore[override]
         x, m, a = ctx.saved_tensors
         d_out = d_out.float().contiguous()
-        _, dx, da = _project(x, m, a, d_out)
+        _, dx, da = _project(x, m, a, d_out, store_p=False)  # (x m is needed for da only)
         return dx.to(x.dtype), _outer_sum(x, d_out, a), da
 
 
