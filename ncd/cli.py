@@ -1,4 +1,4 @@
-"""The `ncd` command line: `ncd compile`, `ncd check`, `ncd tune`, `ncd --version`.
+"""The `ncd` command line: `ncd compile`, `ncd check`, `ncd draw`, `ncd tune`, `ncd --version`.
 
 Exit codes: 0 success, 1 the spec has errors, 2 usage errors (bad flags, unreadable file), 3 internal errors.
 No spec, however malformed, produces a Python traceback (set NCD_DEBUG=1 to see one for internal errors).
@@ -186,7 +186,33 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"  {'ok  ' if not failed else 'FAIL'} numerics   {len(results) - len(failed)} of {len(results)} cases "
           "passed" + (": " + ", ".join(f"{c.label} ({c.dtype_name})" for c, _ in failed) + " failed"
                       if failed else ""))
+    if args.draw is not None:
+        fmt = "png" if args.draw.endswith(".png") else "svg"
+        print(f"  diagram    {_draw(result, args.draw or None, 'plan', fmt)}")
     return EXIT_OK if not failed else EXIT_SPEC
+
+
+def _draw(front: FrontEnd, output: str | None, stage: str, fmt: str) -> Path:
+    """The diagram written to `output` (default: the spec's name with the format's suffix, here); nothing is
+    written unless the drawing succeeded."""
+    from ncd.drawing import draw_spec
+
+    data = draw_spec(front, stage, fmt)
+    path = Path(output) if output else Path(f"{Path(front.source.filename).stem}.{fmt}")
+    try:
+        path.write_bytes(data)
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+    return path
+
+
+def cmd_draw(args: argparse.Namespace) -> int:
+    fmt = args.format or (Path(args.output).suffix.lstrip(".") if args.output else "svg")
+    if fmt not in ("svg", "png"):
+        raise UsageError(f"--format is svg or png (from the output's suffix: {args.output!r}); pass --format")
+    path = _draw(_front_end(args.spec), args.output, args.stage, fmt)
+    print(path)
+    return EXIT_OK
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -217,7 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("spec", help="path to a .ncd spec")
     check.add_argument("--seed", type=int, metavar="N", help="draw the validation inputs from seed N (default: "
                        "fresh random inputs; the seed used is printed)")
+    check.add_argument("--draw", nargs="?", const="", metavar="FILE", help="also draw the spec's diagram (plan "
+                       "stage) to FILE (.svg or .png; default: SPEC_NAME.svg here) and print its path")
     check.set_defaults(run=cmd_check)
+    draw = sub.add_parser("draw", help="draw a spec as its neural circuit diagram (SVG or PNG)")
+    draw.add_argument("spec", help="path to a .ncd spec")
+    draw.add_argument("-o", "--output", metavar="FILE", help="where to write (default: SPEC_NAME.FORMAT here)")
+    draw.add_argument("--format", choices=("svg", "png"), help="default: from -o's suffix, else svg")
+    draw.add_argument("--stage", choices=("ir", "plan"), default="plan", help="ir: the verified IR; plan (default): "
+                      "also the family, its streamed axis and state, and the kernel boundaries")
+    draw.set_defaults(run=cmd_draw)
     tune = sub.add_parser("tune", help="autotune a spec's kernels at given sizes on this GPU and keep the results")
     tune.add_argument("spec", help="path to a .ncd spec")
     tune.add_argument("--shape", action="append", metavar="AXIS=N", help="an axis size to tune at (repeatable; "
