@@ -65,7 +65,7 @@ def test_the_plan_stage_marks_family_stream_state_and_kernel():
     generic = _texts(draw_spec(load_spec(SPECS / "swiglu_mlp.ncd"), "plan"))
     assert "compiled by the generic family" in generic and "kernel: generic: torch ops for" in generic
     kan = _texts(draw_spec(load_spec(SPECS / "cheby_kan.ncd"), "plan"))
-    assert "basis T[deg](x)" in kan and "param" in kan
+    assert "basis T[deg](x)" in kan and "T[n+1](u) = 2 * u * T[n] - T[n-1]" in kan and "param" in kan
 
 
 def _pixels(png: bytes):

@@ -138,7 +138,8 @@ class _Builder:
                     self.child(operand, box, node.axes, definition, role)
         elif isinstance(node, ir.BasisEval):
             index = node.index if isinstance(node.index, str) else sympy.sstr(node.index)
-            box = self.new("basis", [f"basis {node.basis}[{index}](x)"], node.axes, definition)
+            box = self.new("basis", [f"basis {node.basis}[{index}](x)", *self.recurrence(node.basis)], node.axes,
+                           definition)
             self.child(node.arg, box, node.axes, definition)
         elif isinstance(node, ir.Scan):
             box = self.new("scan", [f"scan over {node.over}"], node.axes, definition, over=node.over)
@@ -153,6 +154,16 @@ class _Builder:
         else:
             raise TypeError(f"no diagram box for {type(node).__name__}")
         return box, node.axes
+
+    def recurrence(self, name: str) -> list[str]:
+        """A basis's definition as the box shows it: P[0](x) = ..., then P[n+1](x) from P[n], P[n-1], ..."""
+        basis = next((b for b in self.program.bases if b.name == name), None)
+        if basis is None:  # a built-in basis: its name says it
+            return []
+        x = basis.param
+        lines = [f"{name}[{k}]({x}) = {format_node(p)}" for k, p in enumerate(basis.initial)]
+        step = format_node(basis.step).replace("term[n", f"{name}[{basis.step_var}")
+        return [*lines, f"{name}[{basis.step_var}+1]({x}) = {step}"]
 
     def mark(self) -> None:
         """The plan's marks: the streamed box's axis and state; each kernel's definitions."""
