@@ -60,12 +60,11 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, T, C, generator=gen), torch.randn(BATCH, T, C, generator=gen)
 
 
-def _worker(rank: int, world: int, modes: list, init: str, cache: str, errors: str) -> None:
+def _worker(rank: int, world: int, modes: list, init: str, cache: str, errors: str, want: dict) -> None:
     try:
         os.environ["TRITON_INTERPRET"] = "1"
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=180))
-        want = _reference(cache)
         for mode in modes:
             _compare(rank, world, mode, cache, want)
         dist.destroy_process_group()
@@ -116,12 +115,14 @@ def _compare(rank: int, world: int, mode: str, cache: str, want: dict) -> None:
 
 
 def test_data_parallel_training_equals_single_process_training(tmp_path):
-    """DDP, FSDP2 and DDP under torch.compile, one after the other in the same two ranks (one spawn: CI time)."""
+    """DDP, FSDP2 and DDP under torch.compile, one after the other in the same two ranks (one spawn: CI time); the
+    single-process reference trains once, here, and the ranks take its parameters."""
     errors = tmp_path / "errors"
     errors.mkdir()
     modes = ["ddp", "fsdp2", "ddp-compiled"]
+    want = _reference(str(tmp_path / "cache"))
     try:
-        mp.spawn(_worker, args=(2, modes, f"file://{tmp_path / 'pg'}", str(tmp_path / "cache"), str(errors)),
+        mp.spawn(_worker, args=(2, modes, f"file://{tmp_path / 'pg'}", str(tmp_path / "cache"), str(errors), want),
                  nprocs=2)
     except Exception as e:
         reports = "\n".join(p.read_text() for p in sorted(errors.iterdir()))
