@@ -68,14 +68,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _worker(rank: int, world: int, name: str, shards: list, init: str, cache: str, errors: str) -> None:
+def _worker(rank: int, world: int, cases: list, init: str, cache: str, errors: str) -> None:
+    """Every case (spec, shard lengths) in one process group; each failure reported, the others still run."""
     try:
         os.environ["TRITON_INTERPRET"] = "1"
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
-        _compare(rank, world, name, shards, cache)
+        failures = []
+        for name, shards in cases:
+            try:
+                _compare(rank, world, name, shards, cache)
+            except AssertionError as failure:
+                failures.append(f"{name}: {failure}")
         dist.barrier()
         dist.destroy_process_group()
+        assert not failures, "\n".join(failures)
     except BaseException:
         Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -140,33 +147,38 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
     assert not bad, f"rank {rank} of {world}, shards {shards}: {bad} (all: {errors})"
 
 
-def _spawn(tmp_path: Path, world: int, name: str, shards: list, target=_worker) -> None:
+def _spawn(tmp_path: Path, world: int, cases: list, target=_worker) -> None:
     errors = tmp_path / "errors"
     errors.mkdir()
     init = f"file://{tmp_path / 'pg'}"
     try:
-        mp.spawn(target, args=(world, name, shards, init, str(tmp_path / "cache"), str(errors)), nprocs=world)
+        mp.spawn(target, args=(world, cases, init, str(tmp_path / "cache"), str(errors)), nprocs=world)
     except Exception as e:
         reports = "\n".join(p.read_text() for p in sorted(errors.iterdir()))
         raise AssertionError(f"a rank failed:\n{reports}") from e
 
 
-@pytest.mark.parametrize("name, shards", [("simple_gla", [13, 8]), ("retnet", [7, 18]), ("gla", [5, 9, 3, 11]),
-                                          ("gka", [19, 6]), ("gka_ungated_covariance", [11, 14])])
-def test_sequence_parallel_equals_the_single_process_op(tmp_path, name, shards):
+# one process group per rank count (spawning and importing cost more than a case)
+CASES = {2: [("simple_gla", [13, 8]), ("retnet", [7, 18]), ("gka", [19, 6]), ("gka_ungated_covariance", [11, 14])],
+         4: [("gla", [5, 9, 3, 11])]}
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_sequence_parallel_equals_the_single_process_op(tmp_path, world):
     """Forward, the final state and every gradient, per rank, against the whole-sequence op: scalar, per-key and
     constant decays, and Gated KalmaNet's two states (its solve reads the full prefix state); shards uneven and
     across chunk boundaries (chunk 16)."""
-    _spawn(tmp_path, len(shards), name, shards)
+    _spawn(tmp_path, world, CASES[world])
 
 
-def _bad_shard_worker(rank: int, world: int, name: str, shards: list, init: str, cache: str, errors: str) -> None:
+def _bad_shard_worker(rank: int, world: int, cases: list, init: str, cache: str, errors: str) -> None:
     from ncd.distributed import sequence_parallel_chunk
     from ncd.errors import CallError
 
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
+    name = cases[0][0]
     op = _load(name, cache)
     x = _inputs(name, 6)
     x.pop("initial_state")
@@ -181,7 +193,7 @@ def _bad_shard_worker(rank: int, world: int, name: str, shards: list, init: str,
 
 
 def test_a_wrong_shard_fails_on_every_rank_naming_rank_tensor_and_axis(tmp_path):
-    _spawn(tmp_path, 2, "simple_gla", [6, 6], target=_bad_shard_worker)
+    _spawn(tmp_path, 2, [("simple_gla", [6, 6])], target=_bad_shard_worker)
 
 
 def test_the_delta_rule_and_packed_sequences_are_refused_before_any_collective(tmp_path):
