@@ -26,6 +26,7 @@ refused here.
 from __future__ import annotations
 
 import inspect
+import struct
 from typing import Any
 
 import torch
@@ -84,6 +85,20 @@ def context_parallel_attention(op: Any, *args: Any, group: Any = None, **kwargs:
     return fn(*args, _group=sharding, **kwargs)
 
 
+def _bits(value: Any) -> int:
+    """A scalar input as the int64 of its float64 bits (None: the default, -1)."""
+    if value is None:
+        return -1
+    number = float(value.item() if isinstance(value, torch.Tensor) else value)
+    return struct.unpack("<q", struct.pack("<d", number))[0]
+
+
+def _shown(kind: int, bits: int) -> str:
+    if bits == -1:
+        return "the default"
+    return ("a tensor holding " if kind else "") + f"{struct.unpack('<d', struct.pack('<q', bits))[0]:g}"
+
+
 def _check_context_shards(runtime: AttentionOp, given: dict, group: Any) -> Sharding:
     """Every rank's tensors against rank 0's: the same dtypes and sizes but in the query and key axes (causal: those
     too, an even length: the zigzag's two chunks), each passing the op's own checks. One all_gather of every rank's
@@ -100,6 +115,9 @@ def _check_context_shards(runtime: AttentionOp, given: dict, group: Any) -> Shar
         dims = list(t.shape)[:_SHAPE_SLOTS] if isinstance(t, torch.Tensor) else []
         code = (_DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)) if isinstance(t, torch.Tensor) else -1
         record += [code, len(dims), *dims, *[-1] * (_SHAPE_SLOTS - len(dims))]
+    scalars = [(name, given.get(name)) for name in runtime.mod_scalars]
+    for _, value in scalars:  # what a mask or score reads besides positions: alike on every rank
+        record += [int(isinstance(value, torch.Tensor)), _bits(value)]
     device = next(t.device for _, t, _ in tensors if isinstance(t, torch.Tensor))
     mine = torch.tensor(record, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -113,6 +131,13 @@ def _check_context_shards(runtime: AttentionOp, given: dict, group: Any) -> Shar
         raise CallError(None, detail=f"rank {r}: {messages[r]}") from problem
     causal = runtime.ns["KERNELS"].causal
     width = 2 + _SHAPE_SLOTS
+    at = 1 + len(tensors) * width
+    for r, row in enumerate(table):
+        for i, (name, _) in enumerate(scalars):
+            (kind, bits), (kind_0, bits_0) = row[at + 2 * i:at + 2 * i + 2], table[0][at + 2 * i:at + 2 * i + 2]
+            if (kind, bits) != (kind_0, bits_0):
+                raise CallError(None, detail=f"rank {r}: {name} is {_shown(kind, bits)}, rank 0's "
+                                f"{_shown(kind_0, bits_0)} (a scalar that the hooks read is alike on every rank)")
     lengths: list[tuple[int, int]] = []
     for r, row in enumerate(table):
         found: dict[str, int] = {}

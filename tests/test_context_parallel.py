@@ -116,9 +116,10 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
     causal = _zigzag(op)
     from ncd.families.attention import ring
 
-    calls = []
-    original = ring.FactorizedContextParallel.apply
+    calls, halos = [], []
+    original, halo_forward = ring.FactorizedContextParallel.apply, ring.halo_forward
     ring.FactorizedContextParallel.apply = lambda *a: calls.append(1) or original(*a)  # which form ran
+    ring.halo_forward = lambda *a: halos.append(1) or halo_forward(*a)
     full = _inputs(name, sum(shards))
     with_lse = name.endswith("+lse")
     weight_grad = "+" not in name  # the ring takes the per-key weight's gradient (the factorized form refuses it)
@@ -141,8 +142,10 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
         else:
             o = context_parallel_attention(op, **mine)
     finally:
-        ring.FactorizedContextParallel.apply = original
+        ring.FactorizedContextParallel.apply, ring.halo_forward = original, halo_forward
     assert bool(calls) == ("+factorized" in name), f"{name}: the wrong form ran (factorized: {bool(calls)})"
+    local = name == "sliding_window_softmax"  # a window of 5 over chunks of 3: each rank needs 3 + 1 or 3 + 4 keys
+    assert bool(halos) == local, f"{name}: the halo exchange ran: {bool(halos)}, expected {local}"
     do_mine = _shard(name, {"Q": do}, rank, world, shards, causal)["Q"]
     loss = (o * do_mine).sum()
     errors = {"o": _rel(o, _shard(name, {"Q": o_ref}, rank, world, shards, causal)["Q"])}
@@ -181,8 +184,9 @@ CASES = {
     2: [("causal_softmax_attention", [10, 10]), ("signed_l1_attention", [7, 12]), ("causal_gqa_spherical", [14, 14]),
         ("causal_spherical_attention+factorized", [38, 38]), ("sink_softmax", [10, 10]),
         ("softmax_plus_one", [7, 12]), ("alibi_softmax", [10, 10]), ("document_softmax", [14, 14]),
-        ("t5_log_bucket_softmax", [9, 14]), ("sliding_window_softmax", [10, 10])],
-    3: [("spherical_attention+factorized", [9, 20, 13]), ("causal_softmax_attention+lse", [6, 6, 6])],
+        ("t5_log_bucket_softmax", [9, 14])],
+    3: [("spherical_attention+factorized", [9, 20, 13]), ("causal_softmax_attention+lse", [6, 6, 6]),
+        ("sliding_window_softmax", [6, 6, 6])],
     4: [("causal_spherical_attention", [6, 6, 6, 6]), ("causal_gqa_spherical+factorized", [10, 10, 10, 10])],
 }
 
@@ -207,7 +211,7 @@ def _bad_shard_worker(rank: int, world: int, cases: list, init: str, cache: str,
 
 
 def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None:
-    from ncd.distributed import context_parallel_attention
+    from ncd.distributed import context_parallel_attention, zigzag_shard
     from ncd.errors import CallError
 
     os.environ["TRITON_INTERPRET"] = "1"
@@ -237,6 +241,16 @@ def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None
         context_parallel_attention(_load("document_softmax", cache),
                                    **{n: t[:, :, :3 + rank] for n, t in qkv.items()}, q_doc=ids[:, :3 + rank],
                                    k_doc=ids[:, :3 + rank])
+    # a scalar that the mask reads differs: refused; two windows in turn: each call's own plan (cached by window)
+    window_op = _load("sliding_window_softmax", cache)
+    whole = {n: torch.randn(B, H, 8, D, generator=torch.Generator().manual_seed(3)) for n in "QKV"}
+    mine = {n: zigzag_shard(t, 2, rank, world) for n, t in whole.items()}
+    with pytest.raises(CallError, match=r"rank 1: window is 3, rank 0's 2 \(a scalar that the hooks read is alike"):
+        context_parallel_attention(window_op, **mine, window=2 + rank)
+    for window in (2, 3, 2):
+        got = context_parallel_attention(window_op, **mine, window=window)
+        want = zigzag_shard(window_op(**whole, window=window), 2, rank, world)
+        assert _rel(got, want) < 1e-5, f"window {window}: {_rel(got, want)}"
     dist.destroy_process_group()
 
 

@@ -25,6 +25,7 @@ kernels, and waited for after them; the dK/dV accumulator's transfer overlaps th
 # (the kernel names its output O, as kernel.py does)
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -110,7 +111,9 @@ class RingModifiers:
     op's modifier tensors on this rank, with each one's query and key dimension (None: none): the query dimension
     is cut to the call's rows, the key dimension travels with the key shard. takes_grad: the tensors the kernels
     add gradients to (float tensors of the score), given buffers for all of them; wanted: the caller wants one of
-    them (then none has a key dimension). zigzag: a mask hides pairs (the causal layout)."""
+    them (then none has a key dimension). zigzag: a mask hides pairs (the causal layout). key_bound, bounds(q, k,
+    tensors, place): the range hook that bounds a block of rows' keys without call-time tables (the compile-time
+    bound where the kernels read tables: it reads no tensor over keys) and its context (`_plan`)."""
 
     context: Callable[..., tuple]
     tensors: tuple[torch.Tensor, ...]
@@ -119,6 +122,10 @@ class RingModifiers:
     takes_grad: tuple[bool, ...]
     wanted: bool
     zigzag: bool
+    key_bound: Any = None
+    bounds: Callable[..., tuple] | None = None
+    plans: dict | None = None  # `_plan`'s results by call (None: the hooks read tensors, so plans are per call)
+    constants: tuple = ()  # the scalar inputs and sizes the hooks read (part of a plan's key)
 
     def travelling(self) -> list[torch.Tensor]:
         return [t for t, d in zip(self.tensors, self.key_dims, strict=True) if d is not None]
@@ -150,9 +157,44 @@ class RingModifiers:
             pairs.append((part, own))
         return self.context(q[:, :, rows], k[:, :, keys], tensors, place, columns), grads, pairs
 
+    def reach(self, q: torch.Tensor, rows: slice, kv_heads: int, n_keys: int, place: tuple) -> torch.Tensor:
+        """int32 [lo, hi): the keys of a piece of n_keys keys at `place` that q[rows] may see (lo >= hi: none), from
+        the range hook over blocks of REACH_ROWS rows, every batch and head."""
+        assert self.bounds is not None and self.key_bound is not None
+        q_rows = q[:, :, rows]
+        keys = torch.empty((q.shape[0], kv_heads, n_keys, 0), device="meta")  # (the context reads its shape)
+        tensors = [_cut(t, d, rows) if d is not None else t for t, d in zip(self.tensors, self.query_dims, strict=True)]
+        if not q_rows.shape[2] or not n_keys:
+            return torch.tensor([0, 0], dtype=torch.int32, device=q.device)
+        context = self.bounds(q_rows, keys, tensors, place)
+        blocks = triton.cdiv(q_rows.shape[2], REACH_ROWS)
+        found = torch.empty((q.shape[0] * q.shape[1], blocks, 2), dtype=torch.int32, device=q.device)
+        reach_kernel[(blocks, q.shape[0] * q.shape[1])](found, context, q.shape[1], BLOCK=REACH_ROWS,
+                                                       KEY_RANGE=self.key_bound)
+        lo, hi = found[..., 0], found[..., 1]
+        seen = hi > lo
+        return torch.stack([torch.where(seen, lo, n_keys).min(), torch.where(seen, hi, 0).max()])
+
+
+REACH_ROWS = 64
+
+
+@triton.jit
+def reach_kernel(OUT, C, HQ, BLOCK: tl.constexpr, KEY_RANGE: tl.constexpr):
+    """OUT[batch x head, block] = (lo, hi): the keys a block of BLOCK rows may see (the range hook's outer bounds)."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    rows = block * BLOCK + tl.arange(0, BLOCK)
+    lo, _, _, hi = KEY_RANGE(rows, bh // HQ, bh % HQ, C)
+    at = (bh * tl.num_programs(0) + block) * 2
+    tl.store(OUT + at, lo)
+    tl.store(OUT + at + 1, hi)
+
 
 def _cut(t: torch.Tensor, dim: int, part: slice) -> torch.Tensor:
     return t[(slice(None),) * dim + (part,)]
+
+
+Call = tuple[slice, slice, tuple | None]  # (query rows, keys of the held shard, place) of one kernel call
 
 
 @dataclass(frozen=True)
@@ -160,7 +202,9 @@ class Ring:
     """One context-parallel call: the kernels (and their copy without the causal flag), the group, this rank,
     every rank's (query, key) shard lengths (from the shard check), the sink (its dimensions among batch, head,
     query, its constant place, u and u': kernel_sink.py), the rate of the row statistic's running-max term (lse)
-    and the score and mask hooks' inputs."""
+    and the score and mask hooks' inputs. With modifiers, `calls` (`_plan`): per owner, this rank's calls against
+    its shard, pairs the mask leaves empty dropped and keys trimmed to what the rows may see; `halo`: every rank's
+    (lo, hi) of every owner's keys it needs, where the halo exchange runs instead of the ring (`halo_forward`)."""
 
     kernels: AttentionKernels
     unmasked: AttentionKernels
@@ -172,6 +216,8 @@ class Ring:
     sink: tuple | None = None
     stat_rate: float = 0.0
     modifiers: RingModifiers | None = None
+    calls: tuple[tuple[Call, ...], ...] | None = None
+    halo: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @property
     def key_lengths(self) -> tuple[int, ...]:
@@ -187,29 +233,17 @@ class Ring:
 
     def blocks(self, step: int, n_q: int) -> list[tuple[slice, slice, AttentionKernels, tuple | None]]:
         """(query rows, key rows, kernels, place) of the calls at `step` (module docstring: the zigzag's three
-        cases). With modifiers, one call per pair of a query and a key piece, each with its place in the whole
-        sequence (RingModifiers.call)."""
+        cases). With modifiers, the plan's calls against the owner's shard (`_plan`)."""
         whole = slice(None)
         owner = self.owner(step)
-        if self.modifiers is not None:
-            totals = (sum(n for n, _ in self.lengths), sum(n for _, n in self.lengths))
-            return [(rows, keys, self.kernels, (q_at, k_at, *totals))
-                    for rows, q_at in self.pieces(self.rank, 0) for keys, k_at in self.pieces(owner, 1)]
+        if self.calls is not None:
+            return [(rows, keys, self.kernels, place) for rows, keys, place in self.calls[owner]]
         if not self.causal or owner == self.rank:
             return [(whole, whole, self.kernels, None)]
         half = n_q // 2
         if owner < self.rank:  # its first chunk precedes both of ours; its second follows both
             return [(whole, slice(0, half), self.unmasked, None)]
         return [(slice(half, None), whole, self.unmasked, None)]  # it follows our first chunk, precedes our second
-
-    def pieces(self, rank: int, axis: int) -> list[tuple[slice, int]]:
-        """(positions within the shard, offset in the whole sequence) of rank's contiguous pieces along the query
-        (axis 0) or key (1) axis: the zigzag's two chunks, or the whole shard in rank order."""
-        assert self.modifiers is not None
-        if self.modifiers.zigzag:
-            half = self.lengths[rank][axis] // 2
-            return [(slice(0, half), rank * half), (slice(half, 2 * half), (2 * self.world - 1 - rank) * half)]
-        return [(slice(None), sum(lengths[axis] for lengths in self.lengths[:rank]))]
 
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -220,6 +254,62 @@ class Ring:
         ops = [dist.P2POp(dist.isend, send, self.global_rank(nxt), self.group),
                dist.P2POp(dist.irecv, receive, self.global_rank(prev), self.group)]
         return dist.batch_isend_irecv(ops)
+
+    def swap(self, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]) -> list:
+        """Post sends and receives by peer (one batch: NCCL runs a communicator's transfers in order)."""
+        ops = [dist.P2POp(dist.isend, t, self.global_rank(r), self.group) for r, t in sends.items()]
+        ops += [dist.P2POp(dist.irecv, t, self.global_rank(r), self.group) for r, t in receives.items()]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+
+def pieces(lengths: tuple[tuple[int, int], ...], rank: int, axis: int, zigzag: bool) -> list[tuple[slice, int]]:
+    """(positions within the shard, offset in the whole sequence) of rank's contiguous pieces along the query
+    (axis 0) or key (1) axis: the zigzag's two chunks, or the whole shard in rank order."""
+    if zigzag:
+        half = lengths[rank][axis] // 2
+        return [(slice(0, half), rank * half), (slice(half, 2 * half), (2 * len(lengths) - 1 - rank) * half)]
+    return [(slice(0, lengths[rank][axis]), sum(n[axis] for n in lengths[:rank]))]
+
+
+def _plan(mods: RingModifiers, q: torch.Tensor, kv_heads: int, lengths: tuple[tuple[int, int], ...], rank: int,
+          group: Any) -> tuple[tuple[tuple[Call, ...], ...], tuple | None]:
+    """(calls, halo) of a masked ring (Ring). Each pair of a piece of this rank's queries and a piece of an owner's
+    keys is bounded by the mask's range hook (`RingModifiers.reach`, one synchronisation for all pairs); the calls
+    keep the pairs with a visible key, trimmed to the keys seen. One all_gather shares every rank's needs, the
+    span of each owner's shard it sees. The halo exchange replaces the ring where it moves fewer keys than the ring
+    (P - 1 shards) and holds at most two shards more than this one (a local mask: a sliding window), else None."""
+    key = (lengths, rank, group, q.shape[:2], kv_heads, mods.constants, q.device)
+    cached = mods.plans if not any(isinstance(c, torch.Tensor) for c in mods.constants) else None
+    if cached is not None and key in cached:  # (every rank hits or misses alike: the shard check compared
+        return cached[key]                             # lengths, shapes and scalars)
+    world = len(lengths)
+    totals = (sum(n for n, _ in lengths), sum(n for _, n in lengths))
+    pairs = [(owner, rows, q_at, keys, k_at) for owner in range(world)
+             for rows, q_at in pieces(lengths, rank, 0, mods.zigzag)
+             for keys, k_at in pieces(lengths, owner, 1, mods.zigzag)]
+    found = torch.stack([mods.reach(q, rows, kv_heads, keys.stop - keys.start, (q_at, k_at, *totals))
+                         for _, rows, q_at, keys, k_at in pairs]).tolist() if pairs else []
+    calls: list[list[Call]] = [[] for _ in range(world)]
+    needs = [[lengths[o][1], 0] for o in range(world)]  # the enclosing span of each owner's keys seen
+    for (owner, rows, q_at, keys, k_at), (lo, hi) in zip(pairs, found, strict=True):
+        if lo < hi:
+            calls[owner].append((rows, slice(keys.start + lo, keys.start + hi), (q_at, k_at + lo, *totals)))
+            needs[owner] = [min(needs[owner][0], keys.start + lo), max(needs[owner][1], keys.start + hi)]
+    mine = torch.tensor(needs, dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    table = tuple(tuple((lo, hi) if lo < hi and o != r else (0, 0) for o, (lo, hi) in enumerate(row.tolist()))
+                  for r, row in enumerate(every))
+    moved = [sum(hi - lo for lo, hi in row) for row in table]
+    ring_moves = [totals[1] - lengths[r][1] for r in range(world)]
+    local = all(m < ring and m <= 2 * lengths[r][1] for r, (m, ring) in enumerate(zip(moved, ring_moves,
+                                                                                          strict=True)))
+    plan = tuple(tuple(c) for c in calls), table if local else None
+    if cached is not None:
+        if len(cached) >= 16:
+            cached.clear()
+        cached[key] = plan
+    return plan
 
 
 def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -254,35 +344,103 @@ def _shard_shapes(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k:
     return shapes + (modifiers.shard_shapes(n_k) if modifiers is not None else [])
 
 
-def _shard(ring: Ring, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-    """This rank's key shard packed for the ring: k, v, w and the modifier tensors over keys."""
-    return _pack([k, v, *([w.float()] if w is not None else []),
-                  *(ring.modifiers.travelling() if ring.modifiers is not None else [])])
+def _shard(ring: Ring, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None,
+           keys: slice = slice(None)) -> torch.Tensor:
+    """This rank's key shard (its `keys`) packed for the ring: k, v, w and the modifier tensors over keys."""
+    mods = ring.modifiers
+    travelling = [_cut(t, d, keys) for t, d in zip(mods.tensors, mods.key_dims, strict=True)
+                  if d is not None] if mods is not None else []
+    return _pack([k[:, :, keys], v[:, :, keys], *([w[:, keys].float()] if w is not None else []), *travelling])
+
+
+Held = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.Tensor]]  # k, v, w, modifier tensors
+
+
+def _held(ring: Ring, buffer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None,
+          n_k: int) -> Held:
+    """A received shard of n_k keys, unpacked: (k, v, w or None, the modifier tensors over keys)."""
+    k_s, v_s, *rest = _unpack(buffer, _shard_shapes(k, v, w, n_k, ring.modifiers))
+    return k_s, v_s, rest[0] if w is not None else None, rest[int(w is not None):]
+
+
+def _own(ring: Ring, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None) -> Held:
+    return k, v, None if w is None else w.float(), ring.modifiers.travelling() if ring.modifiers is not None else []
+
+
+def _forward_calls(ring: Ring, blocks: list, q: torch.Tensor, held: Held, o: torch.Tensor, z: torch.Tensor,
+                   m: torch.Tensor | None) -> None:
+    """Merge the partial states of q's rows against the held shard's keys, call by call, into (o, z, m)."""
+    k_s, v_s, w_s, travelling = held
+    for rows, keys, kernels, place in blocks:
+        w_b = w_s[:, keys] if w_s is not None else None
+        context = ring.modifiers.call(q, k_s, rows, keys, travelling, place, False)[0] \
+            if ring.modifiers is not None else None
+        part, (z_p, m_p) = kernels.forward(q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys], w_b, ring.scale, context)
+        merge(ring.kernels, o[:, :, rows], z[:, :, rows], m[:, :, rows] if m is not None else None, part, z_p, m_p)
+
+
+def _backward_calls(ring: Ring, blocks: list, do: torch.Tensor, q: torch.Tensor, o: torch.Tensor, z: torch.Tensor,
+                    m: torch.Tensor | None, delta_in: torch.Tensor | None, held: Held, dq: torch.Tensor,
+                    grads: tuple, buffers: list[torch.Tensor] | None) -> None:
+    """Add the held shard's calls' gradients: to dq, to grads (dk, dv, dw or None: `_grad_buffer`) and to the
+    modifier tensors' buffers."""
+    k_s, v_s, w_s, travelling = held
+    dk_s, dv_s, dw_s = grads
+    mods = ring.modifiers
+    for rows, keys, kernels, place in blocks:
+        w_b = w_s[:, keys] if w_s is not None else None
+        stats = (z[:, :, rows].contiguous(), m[:, :, rows].contiguous() if m is not None else None)
+        extra = None if delta_in is None else delta_in[:, :, rows].contiguous()
+        context, g_args, pairs = mods.call(q, k_s, rows, keys, travelling, place, True, buffers) \
+            if mods is not None else (None, (), [])
+        dq_b, dk_b, dv_b = kernels.backward(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys],
+                                            o[:, :, rows], stats, w_b, ring.scale, context, g_args, delta_in=extra)
+        for part, own in pairs:
+            part += own
+        dq[:, :, rows] += dq_b
+        dk_s[:, :, keys] += dk_b
+        dv_s[:, :, keys] += dv_b
+        if dw_s is not None and w_b is not None:
+            dw_s[:, keys] += kernels.weight_gradient(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys],
+                                                     w_b, o[:, :, rows], *stats, ring.scale, context)
+
+
+def _grad_size(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int) -> int:
+    """fp32 elements of a shard's travelling gradients at key length n_k: dK, dV and (w given) the weight's."""
+    per_key = k.shape[0] * k.shape[1] * k.shape[3] + v.shape[0] * v.shape[1] * v.shape[3]
+    return (per_key + (w.shape[0] if w is not None else 0)) * n_k
+
+
+def _grad_views(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int) -> tuple:
+    """(dk, dv, dw or None) as views of a flat gradient buffer of n_k keys (`_grad_size`)."""
+    shapes = [(*k.shape[:2], n_k, k.shape[3]), (*v.shape[:2], n_k, v.shape[3])] + \
+        ([(w.shape[0], n_k)] if w is not None else [])
+    parts = flat.split([math.prod(s) for s in shapes])
+    views = [p.view(s) for p, s in zip(parts, shapes, strict=True)]
+    return views[0], views[1], views[2] if w is not None else None
+
+
+def _grad_buffer(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int) -> tuple:
+    """(a zeroed fp32 flat buffer, its views dk, dv, dw): a shard's gradients, sent as one transfer."""
+    flat = torch.zeros(_grad_size(k, v, w, n_k), dtype=torch.float32, device=k.device)
+    return flat, _grad_views(flat, k, v, w, n_k)
 
 
 def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None) -> tuple:
     """(o fp32, z, m) of q's rows against every rank's keys."""
     batch, hq, n_q, _ = q.shape
-    online = ring.kernels.config.online_max
     o = torch.zeros((batch, hq, n_q, v.shape[3]), dtype=torch.float32, device=q.device)
     z = torch.zeros((batch, hq, n_q), dtype=torch.float32, device=q.device)
-    m = torch.zeros_like(z) if online else None
-    mods = ring.modifiers
-    shard = _shard(ring, k, v, w)
+    m = torch.zeros_like(z) if ring.kernels.config.online_max else None
+    shard = _shard(ring, k, v, w) if ring.world > 1 else k.new_empty(0, dtype=torch.uint8)  # (one rank: unused)
     for step in range(ring.world):
         pending = []
         if step + 1 < ring.world:
             incoming = shard.new_empty(_packed_bytes(_shard_shapes(k, v, w, ring.key_lengths[ring.owner(step + 1)],
-                                                                   mods)))
+                                                                   ring.modifiers)))
             pending = ring.exchange(shard, incoming)
-        k_s, v_s, *rest = _unpack(shard, _shard_shapes(k, v, w, ring.key_lengths[ring.owner(step)], mods))
-        w_s, held = rest[:int(w is not None)], rest[int(w is not None):]
-        for rows, keys, kernels, place in ring.blocks(step, n_q):
-            w_b = w_s[0][:, keys] if w_s else None
-            context = mods.call(q, k_s, rows, keys, held, place, False)[0] if mods is not None else None
-            part, (z_p, m_p) = kernels.forward(q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys], w_b, ring.scale,
-                                               context)
-            merge(ring.kernels, o[:, :, rows], z[:, :, rows], m[:, :, rows] if m is not None else None, part, z_p, m_p)
+        held = _own(ring, k, v, w) if step == 0 else _held(ring, shard, k, v, w, ring.key_lengths[ring.owner(step)])
+        _forward_calls(ring, ring.blocks(step, n_q), q, held, o, z, m)
         for request in pending:
             request.wait()
         if pending:
@@ -296,12 +454,14 @@ def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                   buffers: list[torch.Tensor] | None = None) -> tuple:
     """(dq, dk, dv, dw or None) of this rank's shard: each step's ordinary backward against the shard held, from
     the rows' final (o, z, m); dK/dV (and the per-key weight's gradient, with weight_grad) accumulate in fp32 on the
-    shard's turn around the ring. delta_in: the row statistic's gradient term (runtime.py's `_backward_lse`), added
-    to each row's delta in every step. buffers: the modifier tensors' fp32 gradients (RingModifiers), added to."""
+    shard's turn around the ring, the last hop home in k's dtype where that is all it carries (the owner would
+    round the same sum). delta_in: the row statistic's gradient term (runtime.py's `_backward_lse`), added to each
+    row's delta in every step. buffers: the modifier tensors' fp32 gradients (RingModifiers), added to."""
     n_q = q.shape[2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    mods = ring.modifiers
-    shard = _shard(ring, k, v, w)
+    wg = w if weight_grad else None
+    low_last_hop = wg is None and k.dtype == v.dtype
+    shard = _shard(ring, k, v, w) if ring.world > 1 else k.new_empty(0, dtype=torch.uint8)  # (one rank: unused)
     grads_home: torch.Tensor | None = None
     pending_grads: list = []
     for step in range(ring.world):
@@ -309,39 +469,19 @@ def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         pending = []
         if step + 1 < ring.world:
             incoming = shard.new_empty(_packed_bytes(_shard_shapes(k, v, w, ring.key_lengths[ring.owner(step + 1)],
-                                                                   mods)))
+                                                                   ring.modifiers)))
             pending = ring.exchange(shard, incoming)
-        k_s, v_s, *rest = _unpack(shard, _shard_shapes(k, v, w, ring.key_lengths[owner], mods))
-        w_s, held = rest[:int(w is not None)], rest[int(w is not None):]
-        dk_s = torch.zeros(k_s.shape, dtype=torch.float32, device=q.device)
-        dv_s = torch.zeros(v_s.shape, dtype=torch.float32, device=q.device)
-        dw_s = torch.zeros(w_s[0].shape if weight_grad else (0,), dtype=torch.float32, device=q.device)
-        for rows, keys, kernels, place in ring.blocks(step, n_q):
-            w_b = w_s[0][:, keys] if w_s else None
-            stats = (z[:, :, rows].contiguous(), m[:, :, rows].contiguous() if m is not None else None)
-            extra = None if delta_in is None else delta_in[:, :, rows].contiguous()
-            context, g_args, pairs = mods.call(q, k_s, rows, keys, held, place, True, buffers) if mods is not None \
-                else (None, (), [])
-            dq_b, dk_b, dv_b = kernels.backward(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys],
-                                                o[:, :, rows], stats, w_b, ring.scale, context, g_args,
-                                                delta_in=extra)
-            for part, own in pairs:
-                part += own
-            dq[:, :, rows] += dq_b
-            dk_s[:, :, keys] += dk_b
-            dv_s[:, :, keys] += dv_b
-            if weight_grad and w_b is not None:
-                dw_s[:, keys] += kernels.weight_gradient(do[:, :, rows], q[:, :, rows], k_s[:, :, keys],
-                                                         v_s[:, :, keys], w_b, o[:, :, rows], *stats, ring.scale,
-                                                         context)
-        grads = torch.cat([dk_s.reshape(-1), dv_s.reshape(-1), dw_s.reshape(-1)])
+        held = _own(ring, k, v, w) if step == 0 else _held(ring, shard, k, v, w, ring.key_lengths[owner])
+        grads, views = _grad_buffer(k, v, wg, ring.key_lengths[owner])
+        _backward_calls(ring, ring.blocks(step, n_q), do, q, o, z, m, delta_in, held, dq, views, buffers)
         if grads_home is not None:  # the accumulator of this shard, from the ranks it visited before
             for request in pending_grads:
                 request.wait()
             grads += grads_home
         if ring.world > 1:
-            grads_home = grads.new_empty(_grad_size(k, v, w if weight_grad else None,
-                                                    ring.key_lengths[ring.owner(step + 1)]))
+            if step == ring.world - 1 and low_last_hop:
+                grads = grads.to(k.dtype)
+            grads_home = grads.new_empty(_grad_size(k, v, wg, ring.key_lengths[ring.owner(step + 1)]))
             pending_grads = ring.exchange(grads, grads_home)
         else:
             grads_home = grads
@@ -352,15 +492,71 @@ def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     for request in pending_grads:
         request.wait()
     assert grads_home is not None
-    dk, dv, dw = grads_home.split([k.numel(), v.numel(), w.numel() if weight_grad and w is not None else 0])
-    return (dq.to(q.dtype), dk.reshape(k.shape).to(k.dtype), dv.reshape(v.shape).to(v.dtype),
-            dw.reshape(w.shape) if weight_grad and w is not None else None)
+    dk, dv, dw = _grad_views(grads_home, k, v, wg, k.shape[2])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw
 
 
-def _grad_size(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int) -> int:
-    """fp32 elements of a shard's travelling gradients at key length n_k: dK, dV and (w given) the weight's."""
-    per_key = k.shape[0] * k.shape[1] * k.shape[3] + v.shape[0] * v.shape[1] * v.shape[3]
-    return (per_key + (w.shape[0] if w is not None else 0)) * n_k
+def _shifted(calls: tuple[Call, ...], by: int) -> list:
+    """The calls against a halo whose first key is the shard's key `by`, with the kernels of a masked ring."""
+    return [(rows, slice(keys.start - by, keys.stop - by), None, place) for rows, keys, place in calls]
+
+
+def halo_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None) -> tuple:
+    """(o fp32, z, m, the halos received) where a mask is local (`_plan`): each rank sends every other rank the
+    span of its keys that rank needs, at once, and runs its own keys while they travel."""
+    assert ring.halo is not None and ring.calls is not None
+    batch, hq, n_q, _ = q.shape
+    o = torch.zeros((batch, hq, n_q, v.shape[3]), dtype=torch.float32, device=q.device)
+    z = torch.zeros((batch, hq, n_q), dtype=torch.float32, device=q.device)
+    m = torch.zeros_like(z) if ring.kernels.config.online_max else None
+    sends = {d: _shard(ring, k, v, w, slice(*row[ring.rank])) for d, row in enumerate(ring.halo)
+             if row[ring.rank][1] > row[ring.rank][0]}
+    receives = {s: k.new_empty(_packed_bytes(_shard_shapes(k, v, w, hi - lo, ring.modifiers)), dtype=torch.uint8)
+                for s, (lo, hi) in enumerate(ring.halo[ring.rank]) if hi > lo}
+    pending = ring.swap(sends, receives)
+    _forward_calls(ring, ring.blocks(0, n_q), q, _own(ring, k, v, w), o, z, m)
+    for request in pending:
+        request.wait()
+    for s, buffer in receives.items():
+        lo, hi = ring.halo[ring.rank][s]
+        blocks = [(rows, keys, ring.kernels, place) for rows, keys, _, place in _shifted(ring.calls[s], lo)]
+        _forward_calls(ring, blocks, q, _held(ring, buffer, k, v, w, hi - lo), o, z, m)
+    return o, z, m, receives
+
+
+def halo_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  w: torch.Tensor | None, o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None,
+                  received: dict[int, torch.Tensor], delta_in: torch.Tensor | None = None, weight_grad: bool = False,
+                  buffers: list[torch.Tensor] | None = None) -> tuple:
+    """ring_backward's results where the forward ran the halo exchange: the halos' gradients first, sent home
+    while this rank's own keys run; each owner adds what comes back to its span."""
+    assert ring.halo is not None and ring.calls is not None
+    n_q = q.shape[2]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    wg = w if weight_grad else None
+    sends = {}
+    for s, buffer in received.items():
+        lo, hi = ring.halo[ring.rank][s]
+        sends[s], views = _grad_buffer(k, v, wg, hi - lo)
+        blocks = [(rows, keys, ring.kernels, place) for rows, keys, _, place in _shifted(ring.calls[s], lo)]
+        _backward_calls(ring, blocks, do, q, o, z, m, delta_in, _held(ring, buffer, k, v, w, hi - lo), dq, views,
+                        buffers)
+    receives = {d: k.new_empty(_grad_size(k, v, wg, row[ring.rank][1] - row[ring.rank][0]), dtype=torch.float32)
+                for d, row in enumerate(ring.halo) if row[ring.rank][1] > row[ring.rank][0]}
+    pending = ring.swap(sends, receives)
+    _, (dk, dv, dw) = _grad_buffer(k, v, wg, k.shape[2])
+    _backward_calls(ring, ring.blocks(0, n_q), do, q, o, z, m, delta_in, _own(ring, k, v, w), dq, (dk, dv, dw),
+                    buffers)
+    for request in pending:
+        request.wait()
+    for d, got in receives.items():
+        lo, hi = ring.halo[d][ring.rank]
+        g_k, g_v, g_w = _grad_views(got, k, v, wg, hi - lo)
+        dk[:, :, lo:hi] += g_k
+        dv[:, :, lo:hi] += g_v
+        if dw is not None and g_w is not None:
+            dw[:, lo:hi] += g_w
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw
 
 
 class RingAttention(torch.autograd.Function):
@@ -371,7 +567,10 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None,
                 sink: torch.Tensor | None, ring: Ring, *modifier_tensors: torch.Tensor) -> tuple:
-        o, z, m = ring_forward(ring, q, k, v, w)
+        if ring.halo is not None:
+            o, z, m, ctx.halos = halo_forward(ring, q, k, v, w)
+        else:
+            o, z, m = ring_forward(ring, q, k, v, w)
         if ring.sink is not None:
             dims, place, sink_map, _ = ring.sink
             out = kernel_sink.merge(ring.kernels, o, z, m, sink, dims, place, sink_map, q.dtype)
@@ -399,8 +598,11 @@ class RingAttention(torch.autograd.Function):
         buffers = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
                    for t, grad in zip(mods.tensors, mods.takes_grad, strict=True) if grad] \
             if mods is not None and mods.wanted else None
-        dq, dk, dv, dw = ring_backward(ring, do, q, k, v, w, o, z, m, delta_in,
-                                       weight_grad=w is not None and ctx.needs_input_grad[3], buffers=buffers)
+        weight_grad = w is not None and ctx.needs_input_grad[3]
+        if ring.halo is not None:
+            dq, dk, dv, dw = halo_backward(ring, do, q, k, v, w, o, z, m, ctx.halos, delta_in, weight_grad, buffers)
+        else:
+            dq, dk, dv, dw = ring_backward(ring, do, q, k, v, w, o, z, m, delta_in, weight_grad, buffers)
         mod_grads: list[torch.Tensor | None] = []
         if mods is not None:  # this rank's queries' share: the ranks' gradients sum to the whole one
             made = iter(buffers or [])
@@ -566,9 +768,9 @@ def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor
     world = dist.get_world_size(group)
     if table is None:
         mine = torch.tensor([q.shape[2], k.shape[2]], dtype=torch.int64, device=q.device)
-        lengths = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(lengths, mine, group=group)
-        table = [tuple(row.tolist()) for row in lengths]
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=group)
+        table = [tuple(row.tolist()) for row in gathered]
     if kernels.causal or (modifiers is not None and modifiers.zigzag):
         for r, (n_q, n_k) in enumerate(table):
             if (n_q, n_k) != table[0] or n_q != n_k or n_q % 2:
@@ -585,8 +787,16 @@ def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor
                             "and at these lengths the op runs its factorized form: load the op with "
                             "factorize='never' (Op.with_config) to take it")
         return FactorizedContextParallel.apply(q, k, v, w, Segments(kernels, float(scale), group, rank, world))
-    ring = Ring(kernels, kernels.without_causal(), float(scale), group, rank, world,
-                tuple((int(n_q), int(n_k)) for n_q, n_k in table), sink_spec, stat_rate, modifiers)
+    lengths = tuple((int(n_q), int(n_k)) for n_q, n_k in table)
+    calls, halo = None, None
+    if modifiers is not None and modifiers.zigzag:  # a mask hides pairs: what each rank's rows see
+        calls, halo = _plan(modifiers, q, k.shape[1], lengths, rank, group)
+    elif modifiers is not None:
+        totals = (sum(n for n, _ in lengths), sum(n for _, n in lengths))
+        calls = tuple(tuple((rows, keys, (q_at, k_at, *totals)) for rows, q_at in pieces(lengths, rank, 0, False)
+                            for keys, k_at in pieces(lengths, owner, 1, False)) for owner in range(world))
+    ring = Ring(kernels, kernels.without_causal(), float(scale), group, rank, world, lengths, sink_spec, stat_rate,
+                modifiers, calls, halo)
     o, lse = RingAttention.apply(q, k, v, w, sink, ring, *(modifiers.tensors if modifiers is not None else ()))
     return (o, lse) if return_lse else o
 

@@ -64,6 +64,7 @@ class AttentionOp:
         self.perms = {role: tuple(p) for role, p in perms.items()}
         self.weight, self.weight_layout, self.scale_grad = weight, weight_layout, scale_grad
         self._checked = rt.CheckMemo()  # call signature -> axis sizes, checks passed
+        self._ring_plans: dict = {}  # context parallelism's plans of a mask without tensors (ring.py `_plan`)
         self.streamed = KernelOp(f"ncd::{op_id}", spec_name, args, ["o", "z", "m"], save_results=(0, 1, 2),
                                  forward=self._forward, fake=self._fake, backward=self._backward,
                                  backward_fake=self._backward_fake)
@@ -340,9 +341,15 @@ class AttentionOp:
             assert built is not None
             return built
 
+        def bounds(q: torch.Tensor, k: torch.Tensor, tensors: Sequence[torch.Tensor], place: tuple) -> tuple:
+            return self.base_context(q, k, tensors, constants, place)
+
+        # the keys a block of rows may see: the range hook, or its compile-time bound where it reads call-time tables
+        key_bound = self.ns["_key_bound" if self.tables is not None else "_key_range"]
         return ring.RingModifiers(context, tuple(tensors), tuple(query_dims), tuple(key_dims),
                                   tuple(grad for _, _, grad in self.mod_tensors), wanted,
-                                  zigzag=self.ns["KERNELS"].mask_hides)
+                                  zigzag=self.ns["KERNELS"].mask_hides, key_bound=key_bound, bounds=bounds,
+                                  plans=None if self.mod_tensors else self._ring_plans, constants=constants)
 
     def _kernel_weight(self, w: torch.Tensor | None, sizes: Mapping[str, int]) -> torch.Tensor | None:
         """The weight as [batch key] float32: a [key] weight is shared by the batch."""
