@@ -158,14 +158,15 @@ class RingModifiers:
         return self.context(q[:, :, rows], k[:, :, keys], tensors, place, columns), grads, pairs
 
     def reach(self, q: torch.Tensor, rows: slice, kv_heads: int, n_keys: int, place: tuple) -> torch.Tensor:
-        """int32 [lo, hi): the keys of a piece of n_keys keys at `place` that q[rows] may see (lo >= hi: none), from
-        the range hook over blocks of REACH_ROWS rows, every batch and head."""
+        """int32 (lo, hi, first, end): the keys [lo, hi) of a piece of n_keys keys at `place` that q[rows] may see,
+        and the rows [first, end) (within `rows`, in blocks of REACH_ROWS) that may see one; lo >= hi: none. From
+        the range hook over blocks of rows, every batch and head."""
         assert self.bounds is not None and self.key_bound is not None
         q_rows = q[:, :, rows]
+        if not q_rows.shape[2] or not n_keys:
+            return torch.tensor([0, 0, 0, 0], dtype=torch.int32, device=q.device)
         keys = torch.empty((q.shape[0], kv_heads, n_keys, 0), device="meta")  # (the context reads its shape)
         tensors = [_cut(t, d, rows) if d is not None else t for t, d in zip(self.tensors, self.query_dims, strict=True)]
-        if not q_rows.shape[2] or not n_keys:
-            return torch.tensor([0, 0], dtype=torch.int32, device=q.device)
         context = self.bounds(q_rows, keys, tensors, place)
         blocks = triton.cdiv(q_rows.shape[2], REACH_ROWS)
         found = torch.empty((q.shape[0] * q.shape[1], blocks, 2), dtype=torch.int32, device=q.device)
@@ -173,10 +174,14 @@ class RingModifiers:
                                                        KEY_RANGE=self.key_bound)
         lo, hi = found[..., 0], found[..., 1]
         seen = hi > lo
-        return torch.stack([torch.where(seen, lo, n_keys).min(), torch.where(seen, hi, 0).max()])
+        block = torch.arange(blocks, dtype=torch.int32, device=q.device)
+        any_seen = seen.any(0)
+        first = torch.where(any_seen, block, blocks).min() * REACH_ROWS
+        end = torch.clamp((torch.where(any_seen, block, -1).max() + 1) * REACH_ROWS, max=q_rows.shape[2])
+        return torch.stack([torch.where(seen, lo, n_keys).min(), torch.where(seen, hi, 0).max(), first, end])
 
 
-REACH_ROWS = 64
+REACH_ROWS = 4  # rows per block of the plan: calls trimmed to within 3 rows of those that see a key
 
 
 @triton.jit
@@ -275,13 +280,14 @@ def _plan(mods: RingModifiers, q: torch.Tensor, kv_heads: int, lengths: tuple[tu
           group: Any) -> tuple[tuple[tuple[Call, ...], ...], tuple | None]:
     """(calls, halo) of a masked ring (Ring). Each pair of a piece of this rank's queries and a piece of an owner's
     keys is bounded by the mask's range hook (`RingModifiers.reach`, one synchronisation for all pairs); the calls
-    keep the pairs with a visible key, trimmed to the keys seen. One all_gather shares every rank's needs, the
-    span of each owner's shard it sees. The halo exchange replaces the ring where it moves fewer keys than the ring
-    (P - 1 shards) and holds at most two shards more than this one (a local mask: a sliding window), else None."""
+    keep the pairs with a visible key, trimmed to the keys seen and to the rows (in blocks) that see one. One
+    all_gather shares every rank's needs, the span of each owner's shard it sees. The halo exchange replaces the
+    ring where it moves fewer keys than the ring (P - 1 shards) and holds at most two shards more than this one (a
+    local mask: a sliding window), else None."""
     key = (lengths, rank, group, q.shape[:2], kv_heads, mods.constants, q.device)
     cached = mods.plans if not any(isinstance(c, torch.Tensor) for c in mods.constants) else None
-    if cached is not None and key in cached:  # (every rank hits or misses alike: the shard check compared
-        return cached[key]                             # lengths, shapes and scalars)
+    if cached is not None and key in cached:  # every rank hits or misses alike: the shard check compared lengths,
+        return cached[key]                    # shapes and scalars
     world = len(lengths)
     totals = (sum(n for n, _ in lengths), sum(n for _, n in lengths))
     pairs = [(owner, rows, q_at, keys, k_at) for owner in range(world)
@@ -291,9 +297,10 @@ def _plan(mods: RingModifiers, q: torch.Tensor, kv_heads: int, lengths: tuple[tu
                          for _, rows, q_at, keys, k_at in pairs]).tolist() if pairs else []
     calls: list[list[Call]] = [[] for _ in range(world)]
     needs = [[lengths[o][1], 0] for o in range(world)]  # the enclosing span of each owner's keys seen
-    for (owner, rows, q_at, keys, k_at), (lo, hi) in zip(pairs, found, strict=True):
+    for (owner, rows, q_at, keys, k_at), (lo, hi, first, end) in zip(pairs, found, strict=True):
         if lo < hi:
-            calls[owner].append((rows, slice(keys.start + lo, keys.start + hi), (q_at, k_at + lo, *totals)))
+            calls[owner].append((slice(rows.start + first, rows.start + end), slice(keys.start + lo, keys.start + hi),
+                                 (q_at + first, k_at + lo, *totals)))
             needs[owner] = [min(needs[owner][0], keys.start + lo), max(needs[owner][1], keys.start + hi)]
     mine = torch.tensor(needs, dtype=torch.int64, device=q.device)
     every = [torch.empty_like(mine) for _ in range(world)]
