@@ -253,9 +253,12 @@ class Ring:
     def global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def exchange(self, send: torch.Tensor, receive: torch.Tensor) -> list:
-        """Post the send of `send` to the next rank and the receive of `receive` from the previous one."""
+    def exchange(self, send: torch.Tensor, receive: torch.Tensor, backwards: bool = False) -> list:
+        """Post the send of `send` to the next rank and the receive of `receive` from the previous one (backwards:
+        to the previous, from the next)."""
         nxt, prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        if backwards:
+            nxt, prev = prev, nxt
         ops = [dist.P2POp(dist.isend, send, self.global_rank(nxt), self.group),
                dist.P2POp(dist.irecv, receive, self.global_rank(prev), self.group)]
         return dist.batch_isend_irecv(ops)
@@ -434,7 +437,8 @@ def _grad_buffer(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: 
 
 
 def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None) -> tuple:
-    """(o fp32, z, m) of q's rows against every rank's keys."""
+    """(o fp32, z, m, the last shard held) of q's rows against every rank's keys (the backward starts from that
+    shard, the next rank's)."""
     batch, hq, n_q, _ = q.shape
     o = torch.zeros((batch, hq, n_q, v.shape[3]), dtype=torch.float32, device=q.device)
     z = torch.zeros((batch, hq, n_q), dtype=torch.float32, device=q.device)
@@ -452,54 +456,48 @@ def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             request.wait()
         if pending:
             shard = incoming
-    return o, z, m
+    return o, z, m, shard
 
 
 def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   w: torch.Tensor | None, o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None,
-                  delta_in: torch.Tensor | None = None, weight_grad: bool = False,
+                  last: torch.Tensor, delta_in: torch.Tensor | None = None, weight_grad: bool = False,
                   buffers: list[torch.Tensor] | None = None) -> tuple:
-    """(dq, dk, dv, dw or None) of this rank's shard: each step's ordinary backward against the shard held, from
-    the rows' final (o, z, m); dK/dV (and the per-key weight's gradient, with weight_grad) accumulate in fp32 on the
-    shard's turn around the ring, the last hop home in k's dtype where that is all it carries (the owner would
-    round the same sum). delta_in: the row statistic's gradient term (runtime.py's `_backward_lse`), added to each
-    row's delta in every step. buffers: the modifier tensors' fp32 gradients (RingModifiers), added to."""
-    n_q = q.shape[2]
+    """(dq, dk, dv, dw or None) of this rank's shard: the ordinary backward against each shard in turn, from the
+    rows' final (o, z, m). The ring turns the other way: it starts from the forward's last shard (`last`, the next
+    rank's), each rank sending to the previous one, and ends with this rank's own keys. A shard's fp32 dK/dV (and
+    the per-key weight's gradient, with weight_grad) accumulate as they travel with it, so the last transfer, of
+    this rank's accumulator, overlaps the own-keys step. delta_in: the row statistic's gradient term (runtime.py's
+    `_backward_lse`), added to each row's delta in every step. buffers: the modifier tensors' fp32 gradients
+    (RingModifiers), added to."""
+    n_q, world, rank = q.shape[2], ring.world, ring.rank
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     wg = w if weight_grad else None
-    low_last_hop = wg is None and k.dtype == v.dtype
-    shard = _shard(ring, k, v, w) if ring.world > 1 else k.new_empty(0, dtype=torch.uint8)  # (one rank: unused)
-    grads_home: torch.Tensor | None = None
+    shard, incoming = last, last
+    arriving: torch.Tensor | None = None  # the accumulator of the next step's shard, from the next rank
     pending_grads: list = []
-    for step in range(ring.world):
-        owner = ring.owner(step)
+    for turn in range(world):
+        owner = (rank + 1 + turn) % world
         pending = []
-        if step + 1 < ring.world:
-            incoming = shard.new_empty(_packed_bytes(_shard_shapes(k, v, w, ring.key_lengths[ring.owner(step + 1)],
+        if turn + 2 < world:  # the next shard (the one after it is this rank's own)
+            incoming = shard.new_empty(_packed_bytes(_shard_shapes(k, v, w, ring.key_lengths[(owner + 1) % world],
                                                                    ring.modifiers)))
-            pending = ring.exchange(shard, incoming)
-        held = _own(ring, k, v, w) if step == 0 else _held(ring, shard, k, v, w, ring.key_lengths[owner])
+            pending = ring.exchange(shard, incoming, backwards=True)
+        held = _own(ring, k, v, w) if owner == rank else _held(ring, shard, k, v, w, ring.key_lengths[owner])
         grads, views = _grad_buffer(k, v, wg, ring.key_lengths[owner])
-        _backward_calls(ring, ring.blocks(step, n_q), do, q, o, z, m, delta_in, held, dq, views, buffers)
-        if grads_home is not None:  # the accumulator of this shard, from the ranks it visited before
+        _backward_calls(ring, ring.blocks((rank - owner) % world, n_q), do, q, o, z, m, delta_in, held, dq, views,
+                        buffers)
+        if arriving is not None:  # what the ranks before this one added to the shard's gradients
             for request in pending_grads:
                 request.wait()
-            grads += grads_home
-        if ring.world > 1:
-            if step == ring.world - 1 and low_last_hop:
-                grads = grads.to(k.dtype)
-            grads_home = grads.new_empty(_grad_size(k, v, wg, ring.key_lengths[ring.owner(step + 1)]))
-            pending_grads = ring.exchange(grads, grads_home)
-        else:
-            grads_home = grads
+            grads += arriving
+        if owner != rank:
+            arriving = grads.new_empty(_grad_size(k, v, wg, ring.key_lengths[(owner + 1) % world]))
+            pending_grads = ring.exchange(grads, arriving, backwards=True)
         for request in pending:
             request.wait()
-        if pending:
-            shard = incoming
-    for request in pending_grads:
-        request.wait()
-    assert grads_home is not None
-    dk, dv, dw = _grad_views(grads_home, k, v, wg, k.shape[2])
+        shard = incoming
+    dk, dv, dw = _grad_views(grads, k, v, wg, k.shape[2])
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw
 
 
@@ -577,7 +575,7 @@ class RingAttention(torch.autograd.Function):
         if ring.halo is not None:
             o, z, m, ctx.halos = halo_forward(ring, q, k, v, w)
         else:
-            o, z, m = ring_forward(ring, q, k, v, w)
+            o, z, m, ctx.last = ring_forward(ring, q, k, v, w)
         if ring.sink is not None:
             dims, place, sink_map, _ = ring.sink
             out = kernel_sink.merge(ring.kernels, o, z, m, sink, dims, place, sink_map, q.dtype)
@@ -609,7 +607,8 @@ class RingAttention(torch.autograd.Function):
         if ring.halo is not None:
             dq, dk, dv, dw = halo_backward(ring, do, q, k, v, w, o, z, m, ctx.halos, delta_in, weight_grad, buffers)
         else:
-            dq, dk, dv, dw = ring_backward(ring, do, q, k, v, w, o, z, m, delta_in, weight_grad, buffers)
+            dq, dk, dv, dw = ring_backward(ring, do, q, k, v, w, o, z, m, ctx.last, delta_in, weight_grad, buffers)
+            ctx.last = None
         mod_grads: list[torch.Tensor | None] = []
         if mods is not None:  # this rank's queries' share: the ranks' gradients sum to the whole one
             made = iter(buffers or [])
