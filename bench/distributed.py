@@ -152,7 +152,15 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                 return (context_parallel_attention(op, **x),)
 
             streamed = None
-            if op.module._OP.factorized is not None:  # the form the ring runs, on one GPU, for comparison
+            if args.ring and op.module._OP.factorized is not None:  # both sides in the streamed form: the ring runs
+                op = op.with_config(factorize="never")
+
+                def single(op=op, **x):
+                    return (op(**x),)
+
+                def parallel(op=op, **x):
+                    return (context_parallel_attention(op, **x),)
+            elif op.module._OP.factorized is not None:  # the form the ring runs, on one GPU, for comparison
                 streamed_op = op.with_config(factorize="never")
 
                 def streamed(op=streamed_op, **x):
@@ -224,6 +232,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29533)
     parser.add_argument("--profile", action="store_true", help="exposed communication from the profiler")
     parser.add_argument("--kernels", action="store_true", help="each rank's top kernels, one GPU and parallel")
+    parser.add_argument("--ring", action="store_true", help="factorizable specs (spherical) in the streamed form on "
+                        "one GPU and on the ring (factorize='never')")
     args = parser.parse_args()
     mp.spawn(worker, args=(args.gpus, args), nprocs=args.gpus)
 
