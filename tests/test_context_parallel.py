@@ -256,3 +256,30 @@ def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None
 
 def test_a_wrong_shard_fails_on_every_rank_naming_rank_tensor_and_axis(tmp_path):
     _spawn(tmp_path, 2, [("causal_softmax_attention", [6, 6])], target=_bad_shard_worker)
+
+
+def test_a_dense_result_is_its_leads_output_zeros_elsewhere_and_the_other_calls_added_in_fp32():
+    """ring.py's `_Dense` (the halo exchange's results): per piece, the lead call's output as it is, zeros where
+    no lead wrote (a mask that hides a piece's first rows from its own keys), other calls' parts added in fp32 and
+    rounded once; every element written (the buffer starts as NaN)."""
+    from ncd.families.attention.ring import _Dense, _leads
+
+    calls = ((slice(2, 7), slice(0, 7), None), (slice(0, 3), slice(0, 2), None), (slice(7, 14), slice(7, 14), None))
+    pieces = [slice(0, 7), slice(7, 14)]
+    assert _leads(calls, pieces, 0) == [0, 2] and _leads(calls, pieces, 1) == [0, 2]
+    out = torch.full((1, 2, 14, 3), float("nan"), dtype=torch.bfloat16)
+    dense = _Dense(out, pieces, _leads(calls, pieces, 0))
+    gen = torch.Generator().manual_seed(1)
+    parts = [torch.randn(1, 2, c[0].stop - c[0].start, 3, generator=gen).bfloat16() for c in calls]
+    extra = torch.randn(1, 2, 2, 3, generator=gen)  # a halo's rows 3..4, fp32
+    for i, (c, part) in enumerate(zip(calls, parts, strict=True)):
+        dense.put(i, c[0], part)
+    dense.extras[0].append((slice(3, 5), extra))
+    want = torch.zeros(1, 2, 14, 3)
+    want[:, :, 2:7] += parts[0].float()
+    want[:, :, 0:3] += parts[1].float()
+    want[:, :, 3:5] += extra
+    want[:, :, 7:14] = parts[2].float()
+    got = dense.finish()
+    assert got is out and not got.isnan().any()
+    assert torch.equal(got, want.bfloat16())

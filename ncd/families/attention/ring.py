@@ -506,27 +506,111 @@ def _shifted(calls: tuple[Call, ...], by: int) -> list:
     return [(rows, slice(keys.start - by, keys.stop - by), None, place) for rows, keys, place in calls]
 
 
+class _Dense:
+    """A result along one axis of a shard, cut into pieces (the zigzag's chunks), written once per piece by its lead
+    call (the own call that covers most of it) and corrected in fp32 where other calls add to it: with a local
+    mask those cover a few rows or keys (the halo), so the passes cost the overlap, not the shard."""
+
+    def __init__(self, out: torch.Tensor, pieces: list[slice], leads: list[int | None]) -> None:
+        self.out, self.pieces, self.leads = out, pieces, leads
+        self.covered: list[slice | None] = [None] * len(pieces)
+        self.extras: list[list[tuple[slice, torch.Tensor]]] = [[] for _ in pieces]
+
+    def piece(self, part: slice) -> int:
+        return next(i for i, p in enumerate(self.pieces) if p.start <= part.start < p.stop)
+
+    def put(self, call: int, part: slice, value: torch.Tensor) -> None:
+        """A call's result over `part`: written where the call is its piece's lead, else kept to add."""
+        i = self.piece(part)
+        if self.leads[i] == call:
+            self.out[:, :, part] = value
+            self.covered[i] = part
+        else:
+            self.extras[i].append((part, value))
+
+    def finish(self) -> torch.Tensor:
+        """Zeros where no lead wrote, then every piece's extras added in fp32 over their span, rounded once."""
+        for piece, covered, extras in zip(self.pieces, self.covered, self.extras, strict=True):
+            start, stop = (covered.start, covered.stop) if covered is not None else (piece.stop, piece.stop)
+            self.out[:, :, piece.start:start] = 0
+            self.out[:, :, stop:piece.stop] = 0
+            if extras:
+                span = slice(min(p.start for p, _ in extras), max(p.stop for p, _ in extras))
+                total = self.out[:, :, span].float()
+                for part, value in extras:
+                    total[:, :, part.start - span.start:part.stop - span.start] += value
+                self.out[:, :, span] = total
+        return self.out
+
+
+def _leads(calls: tuple[Call, ...], pieces: list[slice], axis: int) -> list[int | None]:
+    """Per piece, the index of the own call that covers most of it along axis 0 (rows) or 1 (keys)."""
+    leads: list[int | None] = []
+    spans = [rows if axis == 0 else keys for rows, keys, _ in calls]
+    for piece in pieces:
+        inside = [(s.stop - s.start, -i, i) for i, s in enumerate(spans) if piece.start <= s.start < piece.stop]
+        leads.append(max(inside)[2] if inside else None)
+    return leads
+
+
 def halo_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None) -> tuple:
-    """(o fp32, z, m, the halos received) where a mask is local (`_plan`): each rank sends every other rank the
-    span of its keys that rank needs, at once, and runs its own keys while they travel."""
+    """(o, z, m, the halos received) where a mask is local (`_plan`): each rank sends every other rank the span of
+    its keys that rank needs, at once, and runs its own keys while they travel. Each piece of rows takes its lead
+    call's output as it is; the other calls merge into an fp32 copy of the rows they touch (o: q's dtype, or fp32
+    with a sink, which merges last)."""
     assert ring.halo is not None and ring.calls is not None
     batch, hq, n_q, _ = q.shape
-    o = torch.zeros((batch, hq, n_q, v.shape[3]), dtype=torch.float32, device=q.device)
-    z = torch.zeros((batch, hq, n_q), dtype=torch.float32, device=q.device)
-    m = torch.zeros_like(z) if ring.kernels.config.online_max else None
-    sends = {d: _shard(ring, k, v, w, slice(*row[ring.rank])) for d, row in enumerate(ring.halo)
-             if row[ring.rank][1] > row[ring.rank][0]}
+    kernels, rank = ring.kernels, ring.rank
+    o = kernels.new((batch, hq, n_q, v.shape[3]), torch.float32 if ring.sink is not None else q.dtype, q.device)
+    z = kernels.new((batch, hq, n_q), torch.float32, q.device)
+    m = kernels.new((batch, hq, n_q), torch.float32, q.device) if kernels.config.online_max else None
+    sends = {d: _shard(ring, k, v, w, slice(*row[rank])) for d, row in enumerate(ring.halo)
+             if row[rank][1] > row[rank][0]}
     receives = {s: k.new_empty(_packed_bytes(_shard_shapes(k, v, w, hi - lo, ring.modifiers)), dtype=torch.uint8)
-                for s, (lo, hi) in enumerate(ring.halo[ring.rank]) if hi > lo}
+                for s, (lo, hi) in enumerate(ring.halo[rank]) if hi > lo}
     pending = ring.swap(sends, receives)
-    _forward_calls(ring, ring.blocks(0, n_q), q, _own(ring, k, v, w), o, z, m)
+    rows = [p for p, _ in pieces(ring.lengths, rank, 0, ring.modifiers is not None and ring.modifiers.zigzag)]
+    own = ring.calls[rank]
+    dense = _Dense(o, rows, _leads(own, rows, 0))
+    stats = [_Dense(s, rows, dense.leads) for s in (z, m) if s is not None]
+    extra_calls = []
+    held = _own(ring, k, v, w)
+    for i, (part, keys, place) in enumerate(own):
+        if i not in dense.leads:
+            extra_calls.append((part, keys, place, held))
+            continue
+        out, found = _call_forward(ring, q, held, part, keys, place)
+        for d, value in zip([dense, *stats], [out, *found], strict=False):
+            d.put(i, part, value)
+    for d in [dense, *stats]:
+        d.finish()
     for request in pending:
         request.wait()
     for s, buffer in receives.items():
-        lo, hi = ring.halo[ring.rank][s]
-        blocks = [(rows, keys, ring.kernels, place) for rows, keys, _, place in _shifted(ring.calls[s], lo)]
-        _forward_calls(ring, blocks, q, _held(ring, buffer, k, v, w, hi - lo), o, z, m)
+        lo, hi = ring.halo[rank][s]
+        halo = _held(ring, buffer, k, v, w, hi - lo)
+        extra_calls += [(part, keys, place, halo) for part, keys, _, place in _shifted(ring.calls[s], lo)]
+    for piece in rows:  # the other calls merge into an fp32 copy of the rows they touch
+        mine = [c for c in extra_calls if piece.start <= c[0].start < piece.stop]
+        if not mine:
+            continue
+        span = slice(min(c[0].start for c in mine), max(c[0].stop for c in mine))
+        total = o[:, :, span].float()
+        for part, keys, place, held in mine:
+            out, (z_p, m_p) = _call_forward(ring, q, held, part, keys, place)
+            local = slice(part.start - span.start, part.stop - span.start)
+            merge(kernels, total[:, :, local], z[:, :, part], m[:, :, part] if m is not None else None, out, z_p, m_p)
+        o[:, :, span] = total
     return o, z, m, receives
+
+
+def _call_forward(ring: Ring, q: torch.Tensor, held: Held, rows: slice, keys: slice, place: tuple | None
+                  ) -> tuple:
+    k_s, v_s, w_s, travelling = held
+    assert ring.modifiers is not None
+    context = ring.modifiers.call(q, k_s, rows, keys, travelling, place, False)[0]
+    return ring.kernels.forward(q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys],
+                                w_s[:, keys] if w_s is not None else None, ring.scale, context)
 
 
 def halo_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -534,34 +618,72 @@ def halo_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                   received: dict[int, torch.Tensor], delta_in: torch.Tensor | None = None, weight_grad: bool = False,
                   buffers: list[torch.Tensor] | None = None) -> tuple:
     """ring_backward's results where the forward ran the halo exchange: the halos' gradients first, sent home
-    while this rank's own keys run; each owner adds what comes back to its span."""
-    assert ring.halo is not None and ring.calls is not None
-    n_q = q.shape[2]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    while this rank's own keys run; each owner adds what comes back to its span. dq, dk, dv are written by each
+    piece's lead call and corrected in fp32 where the others add (`_Dense`); the weight's gradient is fp32."""
+    assert ring.halo is not None and ring.calls is not None and ring.modifiers is not None
+    rank, zigzag = ring.rank, ring.modifiers.zigzag
     wg = w if weight_grad else None
+    rows = [p for p, _ in pieces(ring.lengths, rank, 0, zigzag)]
+    keys_pieces = [p for p, _ in pieces(ring.lengths, rank, 1, zigzag)]
+    own = ring.calls[rank]
+    new = ring.kernels.new  # (poisoned with NaN in tests: every element must be written)
+    dq = _Dense(new(q.shape, q.dtype, q.device), rows, _leads(own, rows, 0))
+    key_leads = _leads(own, keys_pieces, 1)
+    dk = _Dense(new(k.shape, k.dtype, k.device), keys_pieces, key_leads)
+    dv = _Dense(new(v.shape, v.dtype, v.device), keys_pieces, key_leads)
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if wg is not None and w is not None else None
     sends = {}
-    for s, buffer in received.items():
-        lo, hi = ring.halo[ring.rank][s]
-        sends[s], views = _grad_buffer(k, v, wg, hi - lo)
-        blocks = [(rows, keys, ring.kernels, place) for rows, keys, _, place in _shifted(ring.calls[s], lo)]
-        _backward_calls(ring, blocks, do, q, o, z, m, delta_in, _held(ring, buffer, k, v, w, hi - lo), dq, views,
-                        buffers)
-    receives = {d: k.new_empty(_grad_size(k, v, wg, row[ring.rank][1] - row[ring.rank][0]), dtype=torch.float32)
-                for d, row in enumerate(ring.halo) if row[ring.rank][1] > row[ring.rank][0]}
+    for s, buffer in received.items():  # the halos' gradients, sent home while the own keys run
+        lo, hi = ring.halo[rank][s]
+        sends[s], (dk_halo, dv_halo, dw_halo) = _grad_buffer(k, v, wg, hi - lo)
+        halo = _held(ring, buffer, k, v, w, hi - lo)
+        for part, keys, _, place in _shifted(ring.calls[s], lo):
+            dq_b, dk_b, dv_b = _call_backward(ring, do, q, o, z, m, delta_in, halo, part, keys, place, buffers,
+                                              dw_halo)
+            dq.extras[dq.piece(part)].append((part, dq_b))
+            dk_halo[:, :, keys] += dk_b
+            dv_halo[:, :, keys] += dv_b
+    receives = {d: k.new_empty(_grad_size(k, v, wg, row[rank][1] - row[rank][0]), dtype=torch.float32)
+                for d, row in enumerate(ring.halo) if row[rank][1] > row[rank][0]}
     pending = ring.swap(sends, receives)
-    _, (dk, dv, dw) = _grad_buffer(k, v, wg, k.shape[2])
-    _backward_calls(ring, ring.blocks(0, n_q), do, q, o, z, m, delta_in, _own(ring, k, v, w), dq, (dk, dv, dw),
-                    buffers)
+    held = _own(ring, k, v, w)
+    for i, (part, keys, place) in enumerate(own):
+        grads = _call_backward(ring, do, q, o, z, m, delta_in, held, part, keys, place, buffers, dw)
+        for dense, span, value in zip((dq, dk, dv), (part, keys, keys), grads, strict=True):
+            dense.put(i, span, value)
     for request in pending:
         request.wait()
     for d, got in receives.items():
-        lo, hi = ring.halo[d][ring.rank]
+        lo, hi = ring.halo[d][rank]
         g_k, g_v, g_w = _grad_views(got, k, v, wg, hi - lo)
-        dk[:, :, lo:hi] += g_k
-        dv[:, :, lo:hi] += g_v
+        for piece_index, piece in enumerate(keys_pieces):  # what came back, cut by the pieces it covers
+            start, stop = max(lo, piece.start), min(hi, piece.stop)
+            if start < stop:
+                dk.extras[piece_index].append((slice(start, stop), g_k[:, :, start - lo:stop - lo]))
+                dv.extras[piece_index].append((slice(start, stop), g_v[:, :, start - lo:stop - lo]))
         if dw is not None and g_w is not None:
             dw[:, lo:hi] += g_w
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw
+    return dq.finish(), dk.finish(), dv.finish(), dw
+
+
+def _call_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, o: torch.Tensor, z: torch.Tensor,
+                   m: torch.Tensor | None, delta_in: torch.Tensor | None, held: Held, rows: slice, keys: slice,
+                   place: tuple | None, buffers: list[torch.Tensor] | None, dw: torch.Tensor | None) -> tuple:
+    """(dq, dk, dv) of one call in the kernels' dtypes; its modifier-tensor and weight gradients added."""
+    assert ring.modifiers is not None
+    k_s, v_s, w_s, travelling = held
+    w_b = w_s[:, keys] if w_s is not None else None
+    stats = (z[:, :, rows].contiguous(), m[:, :, rows].contiguous() if m is not None else None)
+    extra = None if delta_in is None else delta_in[:, :, rows].contiguous()
+    context, g_args, pairs = ring.modifiers.call(q, k_s, rows, keys, travelling, place, True, buffers)
+    grads = ring.kernels.backward(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys], o[:, :, rows],
+                                  stats, w_b, ring.scale, context, g_args, delta_in=extra)
+    for part, mine in pairs:
+        part += mine
+    if dw is not None and w_b is not None:
+        dw[:, keys] += ring.kernels.weight_gradient(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys],
+                                                    w_b, o[:, :, rows], *stats, ring.scale, context)
+    return grads
 
 
 class RingAttention(torch.autograd.Function):
