@@ -68,9 +68,10 @@ def context_parallel_attention(op: Any, *args: Any, group: Any = None, **kwargs:
     backward (it is a ring too). The shards are checked first, together (one all_gather): a rank whose shard
     disagrees with rank 0's, or fails the op's own checks, raises the same CallError on every rank, naming the rank,
     the tensor and the axis. Sinks, return_lse and a per-key weight's gradient are carried (the latter two on the
-    ring only: CallError where the op would run its factorized form), and score and mask modifiers (on the ring),
-    except a tensor over both the query and key axes (a [head query key] bias) and the gradient of one over keys
-    (CallError)."""
+    ring only: CallError where the op would run its factorized form), and score and mask modifiers (on the ring; a
+    mask whose rows see only nearby keys, such as a sliding window, by a halo exchange of those keys), except a
+    tensor over both the query and key axes (a [head query key] bias) and the gradient of one over keys (CallError).
+    The scalars that the hooks read must be alike on every rank (checked with the shards)."""
     module = getattr(op, "module", op)
     runtime = getattr(module, "_OP", None)
     if not isinstance(runtime, AttentionOp):

@@ -9,8 +9,9 @@ certificate's merge (`merge_kernel`, the combine of split-K decoding written for
 
 (plain sums of z and of o b(z) without the running max), so every normaliser the family accepts runs on the ring.
 The backward needs no merge: the gradient of a key shard is the ordinary backward of the queries against it, given
-the rows' final (o, z, m). The shard travels again with an fp32 dK/dV accumulator that each rank adds its part to;
-after a full turn the accumulator is home.
+the rows' final (o, z, m). The ring turns the other way, from the forward's last shard to the rank's own keys; the
+shard travels with an fp32 dK/dV accumulator that each rank adds its part to, and it arrives home while the owner
+runs its own keys.
 
 Causal specs use the zigzag layout: with P ranks the sequence is cut into 2P equal chunks and rank r holds chunks r
 and 2P - 1 - r, concatenated (`zigzag_shard`). Then every step costs the same: step 0 is the causal kernel on the
@@ -19,7 +20,11 @@ a shard from a later rank is seen whole by the rank's second chunk only. Non-cau
 order or not, of any lengths.
 
 Communication overlaps compute: the next shard's transfer is posted (`batch_isend_irecv`) before the current step's
-kernels, and waited for after them; the dK/dV accumulator's transfer overlaps the next step."""
+kernels, and waited for after them; the dK/dV accumulator's transfer overlaps the next step.
+
+A mask whose rows see only nearby keys (a sliding window) runs a halo exchange instead (`_plan`, `halo_forward`):
+each rank receives, at once, the span of every other rank's keys its rows may see, as the mask's range hooks
+bound them."""
 
 # ruff: noqa: E741
 # (the kernel names its output O, as kernel.py does)
