@@ -60,18 +60,20 @@ def context_parallel_attention(op: Any, *args: Any, group: Any = None, **kwargs:
     - Other specs take any shards, of any lengths (each rank at least one position); with a score modifier, in rank
       order (rank r holds the positions after rank r - 1's).
     - A modifier tensor over the query axis (q_doc [batch query]) is sharded as the queries, one over the key axis
-      (k_doc [batch key]) as the keys (it travels with them), the others whole on every rank; the hooks see
-      positions in the whole sequence. A float modifier tensor's gradient on each rank is that rank's queries'
-      share: the ranks' gradients sum to the whole one (as a sink's, and as DDP sums them).
+      (k_doc [batch key]) as the keys (it travels with them), one over both (bias [head query key]) as the queries
+      with every key, the others whole on every rank; the hooks see positions in the whole sequence. A float
+      modifier tensor's gradient on each rank is that rank's queries' share: the ranks' gradients sum to the whole
+      one (as a sink's, and as DDP sums them).
 
     Returns the op's output on this rank's queries. Gradients reach every rank's inputs; every rank must run the
     backward (it is a ring too). The shards are checked first, together (one all_gather): a rank whose shard
     disagrees with rank 0's, or fails the op's own checks, raises the same CallError on every rank, naming the rank,
     the tensor and the axis. Sinks, return_lse and a per-key weight's gradient are carried (the latter two on the
     ring only: CallError where the op would run its factorized form), and score and mask modifiers (on the ring; a
-    mask whose rows see only nearby keys, such as a sliding window, by a halo exchange of those keys), except a
-    tensor over both the query and key axes (a [head query key] bias) and the gradient of one over keys (CallError).
-    The scalars that the hooks read must be alike on every rank (checked with the shards)."""
+    mask whose rows see only nearby keys, such as a sliding window, by a halo exchange of those keys), except the
+    gradient of a tensor over the key axis alone (CallError). A tensor over both the query and key axes (a [head
+    query key] bias) holds this rank's queries against every key, in sequence order. The scalars that the hooks
+    read must be alike on every rank (checked with the shards)."""
     module = getattr(op, "module", op)
     runtime = getattr(module, "_OP", None)
     if not isinstance(runtime, AttentionOp):
@@ -82,8 +84,24 @@ def context_parallel_attention(op: Any, *args: Any, group: Any = None, **kwargs:
     group = group if group is not None else dist.group.WORLD
     fn = op.fn if hasattr(op, "fn") else module.Module()
     call = inspect.signature(fn).bind(*args, **kwargs)
-    sharding = _check_context_shards(runtime, call.arguments, group)
-    return fn(*args, _group=sharding, **kwargs)
+    whole = _whole_key_tensors(runtime, call.arguments)
+    for name, (tensor, dim, n_k) in whole.items():  # the op checks a view at this rank's key length
+        call.arguments[name] = tensor.narrow(dim, 0, min(n_k, tensor.shape[dim]))
+    sharding = _check_context_shards(runtime, call.arguments, group, whole)
+    return fn(*call.args, _group=sharding, **call.kwargs)
+
+
+def _whole_key_tensors(runtime: AttentionOp, given: dict) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """The tensors over both the query and the key axis (a [head query key] bias), which each rank passes as its
+    queries against every key: name -> (tensor, its key dimension, this rank's key length, from K)."""
+    q_axis, k_axis = runtime.sequence
+    axes = dict(runtime.inputs)
+    keys = given.get(runtime.key)
+    if not isinstance(keys, torch.Tensor) or runtime.key not in axes:
+        return {}
+    n_k = keys.shape[axes[runtime.key].index(k_axis)]
+    return {name: (given[name], dims.index(k_axis), n_k) for name, dims in runtime.inputs
+            if q_axis in dims and k_axis in dims and isinstance(given.get(name), torch.Tensor)}
 
 
 def _bits(value: Any) -> int:
@@ -100,7 +118,8 @@ def _shown(kind: int, bits: int) -> str:
     return ("a tensor holding " if kind else "") + f"{struct.unpack('<d', struct.pack('<q', bits))[0]:g}"
 
 
-def _check_context_shards(runtime: AttentionOp, given: dict, group: Any) -> Sharding:
+def _check_context_shards(runtime: AttentionOp, given: dict, group: Any,
+                          whole: dict[str, tuple[torch.Tensor, int, int]] | None = None) -> Sharding:
     """Every rank's tensors against rank 0's: the same dtypes and sizes but in the query and key axes (causal: those
     too, an even length: the zigzag's two chunks), each passing the op's own checks. One all_gather of every rank's
     shapes and dtypes (and, only where a rank failed its own checks, one all_gather_object of the messages); a
@@ -116,6 +135,8 @@ def _check_context_shards(runtime: AttentionOp, given: dict, group: Any) -> Shar
         dims = list(t.shape)[:_SHAPE_SLOTS] if isinstance(t, torch.Tensor) else []
         code = (_DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)) if isinstance(t, torch.Tensor) else -1
         record += [code, len(dims), *dims, *[-1] * (_SHAPE_SLOTS - len(dims))]
+    whole = whole or {}
+    record += [tensor.shape[dim] for tensor, dim, _ in whole.values()]  # their key lengths: every key
     scalars = [(name, given.get(name)) for name in runtime.mod_scalars]
     for _, value in scalars:  # what a mask or score reads besides positions: alike on every rank
         record += [int(isinstance(value, torch.Tensor)), _bits(value)]
@@ -132,7 +153,7 @@ def _check_context_shards(runtime: AttentionOp, given: dict, group: Any) -> Shar
         raise CallError(None, detail=f"rank {r}: {messages[r]}") from problem
     causal = runtime.ns["KERNELS"].causal
     width = 2 + _SHAPE_SLOTS
-    at = 1 + len(tensors) * width
+    at = 1 + len(tensors) * width + len(whole)
     for r, row in enumerate(table):
         for i, (name, _) in enumerate(scalars):
             (kind, bits), (kind_0, bits_0) = row[at + 2 * i:at + 2 * i + 2], table[0][at + 2 * i:at + 2 * i + 2]
@@ -161,7 +182,16 @@ def _check_context_shards(runtime: AttentionOp, given: dict, group: Any) -> Shar
                     raise CallError(None, detail=f"rank {r}: {name} has axis '{axis}' of size {size}, rank 0's {want} "
                                     "(shards differ in the query and key axes only)")
         lengths.append((found[runtime.sequence[0]], found[runtime.sequence[1]]))
-    return Sharding(group, tuple(lengths))
+    total = sum(n_k for _, n_k in lengths)
+    for r, row in enumerate(table):
+        for i, name in enumerate(whole):
+            size = row[1 + len(tensors) * width + i]
+            if size != total:
+                q_axis, k_axis = runtime.sequence
+                raise CallError(None, detail=f"rank {r}: {name} has axis '{k_axis}' of size {size}; under context "
+                                f"parallelism a tensor over both '{q_axis}' and '{k_axis}' holds this rank's "
+                                f"'{q_axis}' positions against every '{k_axis}' position: {total}")
+    return Sharding(group, tuple(lengths), tuple((name, tensor) for name, (tensor, _, _) in whole.items()))
 
 
 def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: Any) -> tuple:

@@ -53,6 +53,8 @@ def _inputs(name: str, n: int) -> dict:
         x["q_doc"], x["k_doc"] = ids, ids.clone()
     if name == "t5_log_bucket_softmax":  # a bucket table read at key - query, with its gradient
         x["table"] = torch.randn(H, 32, generator=gen)
+    if name == "biased_softmax":  # [head query key]: each rank's queries against every key, with its gradient
+        x["bias"] = torch.randn(H, n, n, generator=gen)
     return x
 
 
@@ -60,7 +62,7 @@ SHARED = ("scale", "sink", "slope", "window", "table")  # read whole by every sh
 
 
 def _seq_dim(name: str, t: str) -> int:
-    return {"Q": 2, "K": 2, "V": 2, "M": 1, "q_doc": 1, "k_doc": 1}[t]
+    return {"Q": 2, "K": 2, "V": 2, "M": 1, "q_doc": 1, "k_doc": 1, "bias": 1}[t]
 
 
 def _zigzag(op) -> bool:
@@ -184,7 +186,7 @@ CASES = {
     2: [("causal_softmax_attention", [10, 10]), ("signed_l1_attention", [7, 12]), ("causal_gqa_spherical", [14, 14]),
         ("causal_spherical_attention+factorized", [38, 38]), ("sink_softmax", [10, 10]),
         ("softmax_plus_one", [7, 12]), ("alibi_softmax", [10, 10]), ("document_softmax", [14, 14]),
-        ("t5_log_bucket_softmax", [9, 14])],
+        ("t5_log_bucket_softmax", [9, 14]), ("biased_softmax", [7, 12])],
     3: [("spherical_attention+factorized", [9, 20, 13]), ("causal_softmax_attention+lse", [6, 6, 6]),
         ("sliding_window_softmax", [18, 18, 18])],
     4: [("causal_spherical_attention", [6, 6, 6, 6]), ("causal_gqa_spherical+factorized", [10, 10, 10, 10])],
@@ -234,7 +236,9 @@ def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None
         context_parallel_attention(_load("causal_spherical_attention+factorized", cache), **x, return_lse=True)
     # what the ring does not carry is refused before any collective, on each rank alone
     qkv = {n: torch.randn(B, H, 4, D) for n in "QKV"}
-    with pytest.raises(CallError, match=r"cuts bias \[head query key\] along both 'query' and 'key'"):
+    with pytest.raises(CallError, match=r"rank 0: bias has axis 'key' of size 4; under context parallelism a tensor "
+                       r"over both 'query' and 'key' holds this rank's 'query' positions against every 'key' "
+                       r"position: 8"):
         context_parallel_attention(_load("biased_softmax", cache), **qkv, bias=torch.randn(H, 4, 4))
     ids = torch.zeros(B, 4, dtype=torch.int32)
     with pytest.raises(CallError, match="masked context parallelism takes two equal chunks"):  # uneven, masked

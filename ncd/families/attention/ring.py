@@ -131,6 +131,9 @@ class RingModifiers:
     bounds: Callable[..., tuple] | None = None
     plans: dict | None = None  # `_plan`'s results by call (None: the hooks read tensors, so plans are per call)
     constants: tuple = ()  # the scalar inputs and sizes the hooks read (part of a plan's key)
+    # per tensor, a key dimension held whole on every rank (a [head query key] bias: this rank's queries against
+    # every key), cut to each call's keys by their place in the sequence; () or None: none
+    whole_key_dims: tuple[int | None, ...] = ()
 
     def travelling(self) -> list[torch.Tensor]:
         return [t for t, d in zip(self.tensors, self.key_dims, strict=True) if d is not None]
@@ -148,15 +151,21 @@ class RingModifiers:
         them repeatedly), so each call gets zeroed buffers of its own, added to `buffers` after it."""
         held = iter(shard)
         tensors = []
-        for t, q_dim, k_dim in zip(self.tensors, self.query_dims, self.key_dims, strict=True):
+        whole = self.whole_key_dims or (None,) * len(self.tensors)
+        columns_at = slice(place[1], place[1] + keys.stop - keys.start) if place is not None else keys
+        for t, q_dim, k_dim, w_dim in zip(self.tensors, self.query_dims, self.key_dims, whole, strict=True):
             if k_dim is not None:
                 t = _cut(next(held), k_dim, keys)
+            elif w_dim is not None:  # every key on this rank: the call's by their place in the sequence
+                t = _cut(t, w_dim, columns_at)
             tensors.append(_cut(t, q_dim, rows) if q_dim is not None else t)
         grads: tuple = ()
         pairs = []
-        dims = [d for d, g in zip(self.query_dims, self.takes_grad, strict=True) if g] if buffers is not None else []
-        for b, dim in zip(buffers or [], dims, strict=True):
+        dims = [(d, w) for d, w, g in zip(self.query_dims, whole, self.takes_grad, strict=True) if g] \
+            if buffers is not None else []
+        for b, (dim, w_dim) in zip(buffers or [], dims, strict=True):
             part = _cut(b, dim, rows) if dim is not None else b
+            part = _cut(part, w_dim, columns_at) if w_dim is not None else part
             own = torch.zeros(part.shape, dtype=part.dtype, device=part.device)
             grads += (own, *own.stride())
             pairs.append((part, own))
@@ -875,10 +884,13 @@ class FactorizedContextParallel(torch.autograd.Function):
 @dataclass(frozen=True)
 class Sharding:
     """A process group (None: the world) and every rank's (query, key) shard lengths, as ncd.distributed's shard
-    check gathered them: the op then needs no collective of its own to size its transfers."""
+    check gathered them: the op then needs no collective of its own to size its transfers. whole: the tensors over
+    both the query and the key axis, by name, holding this rank's queries against every key (the op was given
+    views cut to this rank's key length, for its shape checks)."""
 
     group: Any
     lengths: tuple[tuple[int, int], ...]
+    whole: tuple[tuple[str, torch.Tensor], ...] = ()
 
 
 def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

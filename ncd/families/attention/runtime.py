@@ -301,7 +301,8 @@ class AttentionOp:
                           mods: Sequence[Any], sizes: Mapping[str, int]) -> Any:
         """ring.context_parallel, with the modifiers' inputs (`mods`: tensors, then scalars) where the spec has
         them, after the refusals of what it does not carry."""
-        modifiers = self._ring_modifiers(mods, sizes) if self.ns["KERNELS"].modified else None
+        whole = dict(group.whole) if isinstance(group, ring.Sharding) else {}
+        modifiers = self._ring_modifiers(mods, sizes, whole) if self.ns["KERNELS"].modified else None
         tile = self.ns["head_tile"](q.shape[3])
         factorized = None if self.factorized is None else lambda n_q, n_k: self.ns["_use_factorized"](n_q, n_k, tile)
         sink_spec = None
@@ -311,25 +312,34 @@ class AttentionOp:
                                      factorized, sink=sink, sink_spec=sink_spec, stat_rate=self.stat_rate,
                                      return_lse=return_lse, modifiers=modifiers)
 
-    def _ring_modifiers(self, mods: Sequence[Any], sizes: Mapping[str, int]) -> ring.RingModifiers:
+    def _ring_modifiers(self, mods: Sequence[Any], sizes: Mapping[str, int],
+                        whole: Mapping[str, torch.Tensor]) -> ring.RingModifiers:
         """The hooks' inputs on the ring: each tensor's query and key dimension (the query one cut to a call's rows,
-        the key one travelling with the key shard), the scalars and sizes as one device's op passes them."""
-        tensors, scalars = mods[:len(self.mod_tensors)], mods[len(self.mod_tensors):]
+        the key one travelling with the key shard), the scalars and sizes as one device's op passes them. whole:
+        the tensors over both axes as given to ncd.distributed (this rank's queries against every key), in place
+        of the views the op's checks saw; each call cuts their key dimension to its keys."""
+        tensors, scalars = list(mods[:len(self.mod_tensors)]), mods[len(self.mod_tensors):]
         constants = (*scalars, *(sizes[a] for a in self.mod_sizes))
         axes = dict(self.inputs)
         q_axis, k_axis = self.sequence
-        query_dims, key_dims = [], []
+        query_dims: list[int | None] = []
+        key_dims: list[int | None] = []
+        whole_dims: list[int | None] = []
+        for i, (name, _, _) in enumerate(self.mod_tensors):
+            tensors[i] = whole.get(name, tensors[i])
         wanted = torch.is_grad_enabled() and any(grad and t.requires_grad
                                                  for (_, _, grad), t in zip(self.mod_tensors, tensors, strict=True))
         for name, _, grad in self.mod_tensors:
             dims = axes[name]
             query_dims.append(dims.index(q_axis) if q_axis in dims else None)
             key_dims.append(dims.index(k_axis) if k_axis in dims else None)
+            whole_dims.append(None)
             if query_dims[-1] is not None and key_dims[-1] is not None:
-                raise rt.CallError(None, detail=f"{self.spec_name}: context parallelism cuts {name} [{' '.join(dims)}]"
-                                   f" along both '{q_axis}' and '{k_axis}', which no rank holds for another rank's "
-                                   "keys (not implemented)", hint="run it on one device, or fold the tensor into "
-                                   "per-query and per-key tensors")
+                if name not in whole:
+                    raise rt.CallError(None, detail=f"{self.spec_name}: {name} [{' '.join(dims)}] under context "
+                                       f"parallelism holds this rank's '{q_axis}' positions against every '{k_axis}'",
+                                       hint="call the op through ncd.distributed.context_parallel_attention")
+                whole_dims[-1], key_dims[-1] = key_dims[-1], None
             if key_dims[-1] is not None and grad and wanted:
                 raise rt.CallError(None, detail=f"{self.spec_name}: {name}'s gradient under context parallelism "
                                    f"would travel with the '{k_axis}' shards (not implemented)",
@@ -349,7 +359,8 @@ class AttentionOp:
         return ring.RingModifiers(context, tuple(tensors), tuple(query_dims), tuple(key_dims),
                                   tuple(grad for _, _, grad in self.mod_tensors), wanted,
                                   zigzag=self.ns["KERNELS"].mask_hides, key_bound=key_bound, bounds=bounds,
-                                  plans=None if self.mod_tensors else self._ring_plans, constants=constants)
+                                  plans=None if self.mod_tensors else self._ring_plans, constants=constants,
+                                  whole_key_dims=tuple(whole_dims))
 
     def _kernel_weight(self, w: torch.Tensor | None, sizes: Mapping[str, int]) -> torch.Tensor | None:
         """The weight as [batch key] float32: a [key] weight is shared by the batch."""
