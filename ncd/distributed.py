@@ -202,14 +202,15 @@ def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: An
     `initial_state` is the sequences' state before their first token and is read on rank 0 only; with
     `output_final_state`, each rank returns the state after its own shard (the last rank's: after the sequences).
     Returns (o [B, T_r, H, V], final state or None) on each rank; gradients reach every rank's inputs, so every
-    rank must run the backward. cu_seqlens packing and head-first specs are not supported here. A rank whose
+    rank must run the backward (the delta rules: correct, but the middle ranks run their shard three times).
+    cu_seqlens packing and head-first specs are not supported here. A rank whose
     shard disagrees with rank 0's in any axis but time, or in dtype, raises CallError on every rank."""
     module = getattr(op, "module", op)
     runtime, chunk = module._OP, module.chunk
     name = runtime.spec_name
-    if isinstance(runtime, DeltaRuleOp) or not isinstance(runtime, (GKAOp, LinearScanOp)):
-        raise CallError(None, detail=f"{name}: sequence parallelism needs each shard's state map to be a decay; "
-                        "the delta rule's is a matrix (not implemented)")
+    if not isinstance(runtime, (GKAOp, LinearScanOp)):
+        raise CallError(None, detail=f"{name}: sequence parallelism takes the gated recurrences (GKA, gated linear "
+                        "attention, the delta rules)")
     if runtime.roles.head_first:
         raise CallError(None, detail=f"{name}: sequence parallelism shards fla's layout [batch time head dim]; "
                         "this spec declares its inputs head-first")
@@ -227,6 +228,8 @@ def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: An
         return chunk(**{**given, "initial_state": initial_state, "output_final_state": final, **knobs})
 
     start = initial if rank == 0 else None
+    if isinstance(runtime, DeltaRuleOp):  # the state map is a matrix: S_out = A S_in + F
+        return _delta_rule_parallel(runtime, chunk, given, rank, world, group)
     decays = _log_decays(runtime, given)
     if isinstance(runtime, GKAOp):  # the solve reads the whole state: the incoming state must come first
         if rank == world - 1:  # nobody reads the last shard's end state: zeros of the states' shapes
@@ -254,6 +257,51 @@ def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: An
     elif isinstance(final, list):
         final = tuple(final)
     return o, final
+
+
+def _delta_rule_parallel(runtime: Any, chunk: Any, given: dict, rank: int, world: int, group: Any) -> tuple:
+    """The delta rules' sequence parallelism. A shard maps its incoming state affinely, S_out = A S_in + F, with
+    A = prod_t exp(g_t) (I - b_t k_t k_t^T) a K x K matrix per head: F is the shard run from zero (rank 0: from the
+    initial state), A's columns the shard run with no values from the identity's columns. One all_gather of
+    (A, F); rank r folds S = A_j S + F_j over the ranks before it and runs its shard from S. The outputs are not
+    linear in S cheaply (A's prefix per token), so every rank but the first runs its shard twice."""
+    want_final = given["output_final_state"]
+    k, v = given["k"], given["v"]
+    batch, _, heads, dk = k.shape
+    dv = v.shape[-1]
+
+    def run(**changed: Any) -> tuple:
+        return chunk(**{**given, "output_final_state": True, **changed})
+
+    o = end = None
+    maps = torch.zeros(batch, heads, dk, dk, device=k.device)
+    if rank < world - 1 or rank == 0:  # (the last shard's map reaches nobody)
+        o, end = run(initial_state=given["initial_state"] if rank == 0 else None)
+        if rank > 0:  # (the fold starts from rank 0's F, which holds the initial state already)
+            columns = []
+            for at in range(0, dk, dv):  # the identity's columns, dv at a time (the state is K x V)
+                width = min(dv, dk - at)
+                basis = torch.zeros(batch, heads, dk, dv, device=k.device)
+                basis[:, :, at:at + width, :width] = torch.eye(width, device=k.device)
+                columns.append(run(v=torch.zeros_like(v), initial_state=basis)[1][..., :width])
+            maps = torch.cat(columns, -1)
+    else:
+        end = torch.zeros(batch, heads, dk, dv, device=k.device)
+    mine = torch.cat([maps.float().reshape(-1), end.float().reshape(-1)])
+    if torch.is_grad_enabled() and not mine.requires_grad:  # the last rank's zeros: its backward must still reach
+        mine.requires_grad_()                                # the gather, whose all-to-all runs on every rank
+    gathered = all_gather(mine, group=group)
+    final = end
+    if rank > 0:
+        state = None
+        for packed in gathered[:rank]:
+            a, f = packed.split([maps.numel(), end.numel()])
+            a, f = a.reshape(maps.shape), f.reshape(end.shape)
+            state = f if state is None else a @ state + f
+        o, final = run(initial_state=state, output_final_state=want_final)
+    assert o is not None
+    o = _Tie.apply(o, *gathered)
+    return o, final if want_final else None
 
 
 def _incoming_output(runtime: Any, given: dict, state: torch.Tensor) -> torch.Tensor:

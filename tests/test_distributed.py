@@ -38,8 +38,9 @@ def _inputs(name: str, T: int) -> dict:
         x["g"] = F.logsigmoid(torch.randn(H, generator=gen) + 2.0)
     else:
         x["g"] = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2.0)
-    if name.startswith("gka"):
+    if name.startswith("gka") or name.endswith("delta_rule"):
         x["beta"] = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    if name.startswith("gka"):
         x["alpha"] = torch.sigmoid(torch.randn(B, T, H, generator=gen))
         a = torch.randn(B, H, K, K, generator=gen) * 0.3
         x["initial_state"] = (a @ a.transpose(-1, -2), torch.randn(B, H, K, V, generator=gen) * 0.1)
@@ -160,14 +161,15 @@ def _spawn(tmp_path: Path, world: int, cases: list, target=_worker) -> None:
 
 # one process group per rank count (spawning and importing cost more than a case)
 CASES = {2: [("simple_gla", [13, 8]), ("retnet", [7, 18]), ("gka", [19, 6]), ("gka_ungated_covariance", [11, 14])],
-         4: [("gla", [5, 9, 3, 11])]}
+         4: [("gla", [5, 9, 3, 11]), ("gated_delta_rule", [5, 9, 3, 11])]}
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_sequence_parallel_equals_the_single_process_op(tmp_path, world):
     """Forward, the final state and every gradient, per rank, against the whole-sequence op: scalar, per-key and
-    constant decays, and Gated KalmaNet's two states (its solve reads the full prefix state); shards uneven and
-    across chunk boundaries (chunk 16)."""
+    constant decays, and Gated KalmaNet's two states (its solve reads the full prefix state); the gated delta
+    rule, whose shard maps are K x K matrices (K 16 > V 8: the map's columns in two runs), folded over 3 ranks;
+    shards uneven and across chunk boundaries (chunk 16)."""
     _spawn(tmp_path, world, CASES[world])
 
 
@@ -196,16 +198,11 @@ def test_a_wrong_shard_fails_on_every_rank_naming_rank_tensor_and_axis(tmp_path)
     _spawn(tmp_path, 2, [("simple_gla", [6, 6])], target=_bad_shard_worker)
 
 
-def test_the_delta_rule_and_packed_sequences_are_refused_before_any_collective(tmp_path):
-    import ncd
+def test_packed_sequences_are_refused_before_any_collective(tmp_path):
     from ncd.distributed import sequence_parallel_chunk
     from ncd.errors import CallError
-    from ncd.ops import shipped_spec
 
-    delta = ncd.load(shipped_spec("delta_rule"), cache_dir=tmp_path, sizes={"kdim": K, "vdim": V})
     q = torch.randn(1, 4, H, K)
-    with pytest.raises(CallError, match="the delta rule's is a matrix"):
-        sequence_parallel_chunk(delta, q, q, torch.randn(1, 4, H, V), torch.rand(1, 4, H))
     gla = _load("simple_gla", str(tmp_path))
     with pytest.raises(CallError, match="cu_seqlens None"):
         sequence_parallel_chunk(gla, q, q, torch.randn(1, 4, H, V), torch.zeros(1, 4, H),

@@ -61,7 +61,9 @@ class LinearScanOp(ScanOp):
         do, ds_fin = grads
         q, k, v, g, s_init, cu_seqlens = saved
         scale, chunk, _ = constants
-        ds_fin = ds_fin if ds_fin is not None and ds_fin.numel() > 0 else None
+        # (the kernels read the final state's gradient as a contiguous [N, H, K, V]: a slice of a wider one, or a
+        # transposed one, arrives strided)
+        ds_fin = ds_fin.contiguous() if ds_fin is not None and ds_fin.numel() > 0 else None
         kept = () if stash is None else (stash,)
         return list(self._launch_backward(do, ds_fin, q, k, v, g, s_init, cu_seqlens, scale, chunk, *kept))
 
