@@ -391,16 +391,45 @@ def _own(ring: Ring, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None) -
     return k, v, None if w is None else w.float(), ring.modifiers.travelling() if ring.modifiers is not None else []
 
 
+def _call_forward(ring: Ring, q: torch.Tensor, held: Held, rows: slice, keys: slice, place: tuple | None,
+                  kernels: AttentionKernels | None = None) -> tuple:
+    """(part, (z, m)) of q[rows] against the held shard's keys[keys] (kernels: the ring's unless given)."""
+    k_s, v_s, w_s, travelling = held
+    context = ring.modifiers.call(q, k_s, rows, keys, travelling, place, False)[0] \
+        if ring.modifiers is not None else None
+    return (kernels or ring.kernels).forward(q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys],
+                                             w_s[:, keys] if w_s is not None else None, ring.scale, context)
+
+
 def _forward_calls(ring: Ring, blocks: list, q: torch.Tensor, held: Held, o: torch.Tensor, z: torch.Tensor,
                    m: torch.Tensor | None) -> None:
     """Merge the partial states of q's rows against the held shard's keys, call by call, into (o, z, m)."""
-    k_s, v_s, w_s, travelling = held
     for rows, keys, kernels, place in blocks:
-        w_b = w_s[:, keys] if w_s is not None else None
-        context = ring.modifiers.call(q, k_s, rows, keys, travelling, place, False)[0] \
-            if ring.modifiers is not None else None
-        part, (z_p, m_p) = kernels.forward(q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys], w_b, ring.scale, context)
+        part, (z_p, m_p) = _call_forward(ring, q, held, rows, keys, place, kernels)
         merge(ring.kernels, o[:, :, rows], z[:, :, rows], m[:, :, rows] if m is not None else None, part, z_p, m_p)
+
+
+def _call_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, o: torch.Tensor, z: torch.Tensor,
+                   m: torch.Tensor | None, delta_in: torch.Tensor | None, held: Held, rows: slice, keys: slice,
+                   place: tuple | None, buffers: list[torch.Tensor] | None, dw: torch.Tensor | None,
+                   kernels: AttentionKernels | None = None) -> tuple:
+    """(dq, dk, dv) of one call in the kernels' dtypes; its modifier-tensor gradients added to `buffers`, its
+    per-key weight's to dw[:, keys]."""
+    kernels = kernels or ring.kernels
+    k_s, v_s, w_s, travelling = held
+    w_b = w_s[:, keys] if w_s is not None else None
+    stats = (z[:, :, rows].contiguous(), m[:, :, rows].contiguous() if m is not None else None)
+    extra = None if delta_in is None else delta_in[:, :, rows].contiguous()
+    context, g_args, pairs = ring.modifiers.call(q, k_s, rows, keys, travelling, place, True, buffers) \
+        if ring.modifiers is not None else (None, (), [])
+    grads = kernels.backward(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys], o[:, :, rows],
+                             stats, w_b, ring.scale, context, g_args, delta_in=extra)
+    for part, mine in pairs:
+        part += mine
+    if dw is not None and w_b is not None:
+        dw[:, keys] += kernels.weight_gradient(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys], w_b,
+                                               o[:, :, rows], *stats, ring.scale, context)
+    return grads
 
 
 def _backward_calls(ring: Ring, blocks: list, do: torch.Tensor, q: torch.Tensor, o: torch.Tensor, z: torch.Tensor,
@@ -408,25 +437,13 @@ def _backward_calls(ring: Ring, blocks: list, do: torch.Tensor, q: torch.Tensor,
                     grads: tuple, buffers: list[torch.Tensor] | None) -> None:
     """Add the held shard's calls' gradients: to dq, to grads (dk, dv, dw or None: `_grad_buffer`) and to the
     modifier tensors' buffers."""
-    k_s, v_s, w_s, travelling = held
     dk_s, dv_s, dw_s = grads
-    mods = ring.modifiers
     for rows, keys, kernels, place in blocks:
-        w_b = w_s[:, keys] if w_s is not None else None
-        stats = (z[:, :, rows].contiguous(), m[:, :, rows].contiguous() if m is not None else None)
-        extra = None if delta_in is None else delta_in[:, :, rows].contiguous()
-        context, g_args, pairs = mods.call(q, k_s, rows, keys, travelling, place, True, buffers) \
-            if mods is not None else (None, (), [])
-        dq_b, dk_b, dv_b = kernels.backward(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys],
-                                            o[:, :, rows], stats, w_b, ring.scale, context, g_args, delta_in=extra)
-        for part, own in pairs:
-            part += own
+        dq_b, dk_b, dv_b = _call_backward(ring, do, q, o, z, m, delta_in, held, rows, keys, place, buffers, dw_s,
+                                          kernels)
         dq[:, :, rows] += dq_b
         dk_s[:, :, keys] += dk_b
         dv_s[:, :, keys] += dv_b
-        if dw_s is not None and w_b is not None:
-            dw_s[:, keys] += kernels.weight_gradient(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys],
-                                                     w_b, o[:, :, rows], *stats, ring.scale, context)
 
 
 def _grad_size(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int) -> int:
@@ -618,15 +635,6 @@ def halo_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return o, z, m, receives
 
 
-def _call_forward(ring: Ring, q: torch.Tensor, held: Held, rows: slice, keys: slice, place: tuple | None
-                  ) -> tuple:
-    k_s, v_s, w_s, travelling = held
-    assert ring.modifiers is not None
-    context = ring.modifiers.call(q, k_s, rows, keys, travelling, place, False)[0]
-    return ring.kernels.forward(q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys],
-                                w_s[:, keys] if w_s is not None else None, ring.scale, context)
-
-
 def halo_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   w: torch.Tensor | None, o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None,
                   received: dict[int, torch.Tensor], delta_in: torch.Tensor | None = None, weight_grad: bool = False,
@@ -678,26 +686,6 @@ def halo_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         if dw is not None and g_w is not None:
             dw[:, lo:hi] += g_w
     return dq.finish(), dk.finish(), dv.finish(), dw
-
-
-def _call_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, o: torch.Tensor, z: torch.Tensor,
-                   m: torch.Tensor | None, delta_in: torch.Tensor | None, held: Held, rows: slice, keys: slice,
-                   place: tuple | None, buffers: list[torch.Tensor] | None, dw: torch.Tensor | None) -> tuple:
-    """(dq, dk, dv) of one call in the kernels' dtypes; its modifier-tensor and weight gradients added."""
-    assert ring.modifiers is not None
-    k_s, v_s, w_s, travelling = held
-    w_b = w_s[:, keys] if w_s is not None else None
-    stats = (z[:, :, rows].contiguous(), m[:, :, rows].contiguous() if m is not None else None)
-    extra = None if delta_in is None else delta_in[:, :, rows].contiguous()
-    context, g_args, pairs = ring.modifiers.call(q, k_s, rows, keys, travelling, place, True, buffers)
-    grads = ring.kernels.backward(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys], o[:, :, rows],
-                                  stats, w_b, ring.scale, context, g_args, delta_in=extra)
-    for part, mine in pairs:
-        part += mine
-    if dw is not None and w_b is not None:
-        dw[:, keys] += ring.kernels.weight_gradient(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys],
-                                                    w_b, o[:, :, rows], *stats, ring.scale, context)
-    return grads
 
 
 class RingAttention(torch.autograd.Function):
