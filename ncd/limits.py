@@ -6,7 +6,9 @@ overflow or minutes of symbolic work. The values leave every shipped spec far in
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -74,54 +76,87 @@ def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
 
 
-@contextmanager
-def time_budget(seconds: float, on_timeout: Callable[[], Exception]) -> Iterator[None]:
+def _on_stack(frame: FrameType, top: FrameType | None) -> bool:
+    while top is not None:
+        if top is frame:
+            return True
+        top = top.f_back
+    return False
+
+
+def _block_frame(frame: FrameType) -> FrameType:
+    """The frame whose code holds the block: a generator-based context manager (contextlib's) enters us from its
+    own frame, which is off the stack while the block runs, so frames of generators and of contextlib are
+    passed over."""
+    while frame.f_back is not None and (frame.f_code.co_flags & inspect.CO_GENERATOR
+                                        or frame.f_code.co_filename == contextlib.__file__):
+        frame = frame.f_back
+    return frame
+
+
+class time_budget:  # lower case: used as a context manager, like contextlib's
     """Run the block for at most `seconds` of wall-clock time, then raise `on_timeout()` from it.
 
     Symbolic work (sympy) is pure Python, so a watchdog thread interrupts it between bytecodes (in any thread,
     unlike SIGALRM); code blocked in C stops at its next Python instruction, and an import is left to finish first.
-    The watchdog raises again every 50 ms until the block has ended: library code with a bare `except:` may swallow
-    one interruption."""
-    lock = threading.Lock()
-    done = threading.Event()
-    state = {"active": True, "fired": False}
-    target = threading.get_ident()
+    The watchdog raises again every 50 ms while the block runs: library code with a bare `except:` may swallow one
+    interruption. It stops when the block ends, or when the frame that entered the block has left the thread's
+    stack: an interruption that lands after the block's last instruction, on entering `__exit__`, escapes the
+    `with` statement as a bare BudgetExceeded, and must not be followed by more. The watchdog holds off while the
+    thread is in `__exit__`; a caller that must never see the bare exception calls `__exit__` again on it."""
 
-    def watch() -> None:
-        if done.wait(seconds):
+    def __init__(self, seconds: float, on_timeout: Callable[[], Exception]) -> None:
+        self.seconds, self.on_timeout = seconds, on_timeout
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.active = self.fired = False
+        self.entered_in: FrameType | None = None
+
+    def __enter__(self) -> None:
+        self.target = threading.get_ident()
+        self.entered_in = _block_frame(sys._getframe(1))
+        self.active = True
+        threading.Thread(target=self._watch, name="ncd-time-budget", daemon=True).start()
+
+    def _watch(self) -> None:
+        if self.done.wait(self.seconds):
             return
         while True:
-            with lock:
-                if not state["active"]:
+            with self.lock:
+                now = sys._current_frames().get(self.target)
+                if not self.active or self.entered_in is None or not _on_stack(self.entered_in, now):
                     return
-                if not _importing(sys._current_frames().get(target)):
-                    state["fired"] = True
-                    _raise_in(target, BudgetExceeded)
-            if done.wait(0.05):
+                if not _importing(now) and not self._leaving(now):
+                    self.fired = True
+                    _raise_in(self.target, BudgetExceeded)
+            del now
+            if self.done.wait(0.05):
                 return
 
-    def stop() -> None:
-        with lock:
-            state["active"] = False
-            done.set()
-            if state["fired"]:
-                _raise_in(target, None)  # a pending exception not yet delivered is withdrawn
+    @staticmethod
+    def _leaving(frame: FrameType | None) -> bool:
+        """Whether the thread is on its way out of the block (an interruption there would escape it)."""
+        leaving = (time_budget.__exit__.__code__, time_budget._stop.__code__)
+        return frame is not None and (frame.f_code in leaving or frame.f_code.co_filename == contextlib.__file__)
 
-    watchdog = threading.Thread(target=watch, name="ncd-time-budget", daemon=True)
-    watchdog.start()
-    timed_out = False
-    try:
-        yield
-    except BudgetExceeded:
-        timed_out = True
-    finally:
-        try:
-            stop()
-        except BudgetExceeded:  # delivered while stopping: nothing more is pending once stopped
-            timed_out = True
-            stop()
-    if timed_out:  # raised with the watchdog stopped, so building the error cannot be interrupted
-        raise on_timeout()
+    def _stop(self) -> None:
+        with self.lock:
+            self.active = False
+            self.entered_in = None
+            self.done.set()
+            if self.fired:
+                _raise_in(self.target, None)  # a pending exception not yet delivered is withdrawn
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        timed_out = kind is not None and issubclass(kind, BudgetExceeded)
+        while True:
+            try:
+                self._stop()
+                break
+            except BudgetExceeded:  # delivered while stopping: nothing more is pending once stopped
+                timed_out = True
+        if timed_out:  # raised with the watchdog stopped, so building the error cannot be interrupted
+            raise self.on_timeout() from None
 
 
 @contextmanager
@@ -140,9 +175,12 @@ def symbolic_budget(source: Source, stage: str) -> Iterator[None]:
                              hint="simplify or split that expression into named definitions (docs/language.md, "
                                   "\"Limits\")").with_source(source)
 
+    budget = time_budget(seconds, over_budget)
     try:
-        with time_budget(seconds, over_budget):
+        with budget:
             yield
+    except BudgetExceeded:  # landed on entering budget.__exit__: stop the watchdog, raise the located error
+        budget.__exit__(BudgetExceeded, None, None)
     except RecursionError:
         raise NestingTooDeep(deepest_span(source), detail=f"{stage}: the spec nests expressions too deeply to "
                              "compile (its most deeply nested expression is here)").with_source(source) from None
