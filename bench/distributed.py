@@ -28,9 +28,12 @@ def inputs(op_name: str, t: int, heads: int, device: torch.device) -> dict:
          "k": F.normalize(torch.randn(1, t, heads, D, device=device, generator=gen), dim=-1).bfloat16(),
          "v": torch.randn(1, t, heads, D, device=device, generator=gen).bfloat16(),
          "g": F.logsigmoid(torch.randn(1, t, heads, device=device, generator=gen) + 3.0)}
-    if op_name == "gka":
+    if op_name == "gka" or op_name.endswith("delta_rule"):
         x["beta"] = torch.sigmoid(torch.randn(1, t, heads, device=device, generator=gen))
+    if op_name == "gka":
         x["alpha"] = torch.sigmoid(torch.randn(1, t, heads, device=device, generator=gen))
+    if op_name == "delta_rule":  # (no gate)
+        del x["g"]
     return x
 
 
@@ -201,7 +204,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                 if rank == turn:
                     print(listing, flush=True)
                 dist.barrier()
-        report = torch.tensor([one, many, float(ok), other, exposed, span], device=device)
+        report = torch.tensor([one, many, float(ok), other, exposed, span, max(errors.values())], device=device)
         rows = [torch.empty_like(report) for _ in range(world)]
         dist.all_gather(rows, report)
         if rank == 0:
@@ -210,6 +213,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                   f"fwd+bwd one GPU {statistics.median(ones):.2f} ms, sequence-parallel {max(manys):.2f} ms "
                   f"(slowest rank) -> {statistics.median(ones) / max(manys):.2f}x; rank 0 vs one GPU: "
                   + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
+                  + "; largest per rank: " + ", ".join(f"{r[6].item():.1e}" for r in rows)
                   + f"; check {'OK' if all(r[2].item() for r in rows) else 'FAILED'}", flush=True)
             if streamed is not None:
                 other = statistics.median([r[3].item() for r in rows])

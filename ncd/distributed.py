@@ -202,7 +202,8 @@ def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: An
     `initial_state` is the sequences' state before their first token and is read on rank 0 only; with
     `output_final_state`, each rank returns the state after its own shard (the last rank's: after the sequences).
     Returns (o [B, T_r, H, V], final state or None) on each rank; gradients reach every rank's inputs, so every
-    rank must run the backward (the delta rules: correct, but the middle ranks run their shard three times).
+    rank must run the backward (the delta rules: every rank but the first runs its shard with K more value columns,
+    which carry its state map).
     cu_seqlens packing and head-first specs are not supported here. A rank whose
     shard disagrees with rank 0's in any axis but time, or in dtype, raises CallError on every rank."""
     module = getattr(op, "module", op)
@@ -260,36 +261,19 @@ def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: An
 
 
 def _delta_rule_parallel(runtime: Any, chunk: Any, given: dict, rank: int, world: int, group: Any) -> tuple:
-    """The delta rules' sequence parallelism. A shard maps its incoming state affinely, S_out = A S_in + F, with
-    A = prod_t exp(g_t) (I - b_t k_t k_t^T) a K x K matrix per head: F is the shard run from zero (rank 0: from the
-    initial state), A's columns the shard run with no values from the identity's columns. One all_gather of
-    (A, F); rank r folds S = A_j S + F_j over the ranks before it and runs its shard from S. The outputs are not
-    linear in S cheaply (A's prefix per token), so every rank but the first runs its shard twice."""
+    """The delta rules' sequence parallelism, every shard at once. A shard maps its incoming state affinely,
+    S_t = A_t S_in + F_t (DeltaRuleOp.chunk_with_state_map: one run gives F, A and the outputs' two terms). One
+    all_gather of the shards' (A, F); rank r folds S_in = A_j S_in + F_j over the ranks before it, adds S_in's term
+    to its outputs and A S_in to its final state. Rank 0 starts from the initial state and runs as it is."""
     want_final = given["output_final_state"]
-    k, v = given["k"], given["v"]
-    batch, _, heads, dk = k.shape
-    dv = v.shape[-1]
-
-    def run(**changed: Any) -> tuple:
-        return chunk(**{**given, "output_final_state": True, **changed})
-
-    o = end = None
-    maps = torch.zeros(batch, heads, dk, dk, device=k.device)
-    if rank < world - 1 or rank == 0:  # (the last shard's map reaches nobody)
-        o, end = run(initial_state=given["initial_state"] if rank == 0 else None)
-        if rank > 0:  # (the fold starts from rank 0's F, which holds the initial state already)
-            columns = []
-            for at in range(0, dk, dv):  # the identity's columns, dv at a time (the state is K x V)
-                width = min(dv, dk - at)
-                basis = torch.zeros(batch, heads, dk, dv, device=k.device)
-                basis[:, :, at:at + width, :width] = torch.eye(width, device=k.device)
-                columns.append(run(v=torch.zeros_like(v), initial_state=basis)[1][..., :width])
-            maps = torch.cat(columns, -1)
+    if rank == 0:
+        o, end = chunk(**{**given, "output_final_state": True})
+        k = given["k"]
+        maps = k.new_zeros(k.shape[0], given["q"].shape[2], k.shape[-1], k.shape[-1], dtype=torch.float32)  # unread
     else:
-        end = torch.zeros(batch, heads, dk, dv, device=k.device)
+        o, o_maps, end, maps = runtime.chunk_with_state_map(**{n: given.get(n) for n in ("q", "k", "v", "g", "beta",
+                                                                                            "scale", "chunk_size")})
     mine = torch.cat([maps.float().reshape(-1), end.float().reshape(-1)])
-    if torch.is_grad_enabled() and not mine.requires_grad:  # the last rank's zeros: its backward must still reach
-        mine.requires_grad_()                                # the gather, whose all-to-all runs on every rank
     gathered = all_gather(mine, group=group)
     final = end
     if rank > 0:
@@ -298,9 +282,11 @@ def _delta_rule_parallel(runtime: Any, chunk: Any, given: dict, rank: int, world
             a, f = packed.split([maps.numel(), end.numel()])
             a, f = a.reshape(maps.shape), f.reshape(end.shape)
             state = f if state is None else a @ state + f
-        o, final = run(initial_state=state, output_final_state=want_final)
-    assert o is not None
-    o = _Tie.apply(o, *gathered)
+        assert state is not None
+        incoming = project(o_maps, state, torch.ones_like(o_maps[..., 0], dtype=torch.float32))
+        o = (o.float() + incoming).to(o.dtype)  # (one rounding, as the whole-sequence op's)
+        final = maps @ state + end
+    o = _Tie.apply(o, *gathered)  # every rank's backward reaches the gather, so its all-to-all runs on every rank
     return o, final if want_final else None
 
 

@@ -239,6 +239,30 @@ def test_gqa_keys_and_values_are_shared_by_their_group_of_query_heads(tmp_path):
         op.module.chunk(q[:, :, :3], k, v, g[:, :, :3], beta[:, :, :3])  # 3 query heads over 2 key/value heads
 
 
+def test_a_shards_state_map_gives_its_run_from_any_incoming_state(tmp_path):
+    """chunk_with_state_map (sequence parallelism's one run per shard): o from zero plus S_in's term, and A S_in + F,
+    equal the op run from S_in, forward and every gradient (S_in's too), for GQA heads and a tensor scale."""
+    spec = tmp_path / "gdr_gqa.ncd"
+    spec.write_text(GQA)
+    op = ncd.load(spec, sizes={"kdim": K, "vdim": V}, cache_dir=tmp_path / "cache")
+    q, _, _, g, beta = draw(B=1, T=45, H=4, seed=13)
+    _, k, v, _, _ = draw(B=1, T=45, H=2, seed=14)
+    s_in, scale = torch.randn(1, 4, K, V) * 0.3, torch.tensor([0.7])
+    do, dfin = torch.randn((*q.shape[:3], V)), torch.randn(s_in.shape)
+
+    def mapped(*t):
+        o, o_map, end, a = op.module._OP.chunk_with_state_map(*t[:5], t[6], chunk_size=16)
+        assert o_map.shape == (*q.shape[:3], K) and a.shape == (1, 4, K, K) and end.shape == s_in.shape
+        return o + torch.einsum("bthk,bhkv->bthv", o_map, t[5]), a @ t[5] + end
+
+    got = with_grads(mapped, (q, k, v, g, beta, s_in, scale), (do, dfin))
+    want = with_grads(lambda *t: op.module.chunk(*t[:5], t[6], initial_state=t[5], output_final_state=True,
+                                                 chunk_size=16), (q, k, v, g, beta, s_in, scale), (do, dfin))
+    names = ["o", "S_T", "dq", "dk", "dv", "dg", "dbeta", "dS_in", "dscale"]
+    errors = {n: rms_ratio(a, b) for n, a, b in zip(names, got, want, strict=True)}
+    assert max(errors.values()) < 1e-5, errors
+
+
 def test_the_forward_scan_narrows_its_value_columns_until_its_programs_fill_the_gpu():
     """The scan's programs are (sequence, head, value block)s: at B 4, H 8 the 64-column blocks made 64 programs
     for an H100's 132 multiprocessors (scan 532 us at T 16k against 392 with 32 columns). Off the GPU the H100's

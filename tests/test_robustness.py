@@ -174,9 +174,9 @@ def test_budget_exceeded_on_entering_exit_still_gives_the_located_error(monkeypa
         return enter_exit(self, kind, error, trace)
 
     monkeypatch.setattr(ncd.limits.time_budget, "__exit__", lands_on_entry)
-    with pytest.raises(LimitExceeded, match="took longer than"):
-        with ncd.limits.symbolic_budget(Source(SOFTMAX, "s.ncd"), "code generation"):
-            pass
+    with pytest.raises(LimitExceeded, match="took longer than"), \
+            ncd.limits.symbolic_budget(Source(SOFTMAX, "s.ncd"), "code generation"):
+        pass
     assert not landings[0].active and landings[0].done.is_set()
 
 

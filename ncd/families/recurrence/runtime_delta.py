@@ -65,6 +65,38 @@ class DeltaRuleOp(LinearScanOp):
         initial_state: S [N, H, K, V] fp32 or None. Returns (o [B, T, H, V], final state [N, H, K, V] fp32 or None).
         Non-finite inputs: the outputs are non-finite exactly where the recurrence's are, the gradients at least there;
         double backward raises."""
+        (q, k, v, g, beta, s_init), scale, chunk_size, scale_tensor, shape = self._chunk_inputs(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+        o, s_fin = self.op(q, k, v, g, beta, s_init, cu_seqlens, scale, chunk_size, bool(output_final_state))
+        if shape is not None:
+            o, (s_fin,) = as_head_first(o, (s_fin,), shape)
+        if scale_tensor is not None:
+            o = o * scale_tensor.to(o.dtype)
+        return o, (s_fin if output_final_state else None)
+
+    def chunk_with_state_map(self, q: Any, k: Any, v: Any, g: Any = None, beta: Any = None, scale: Any = None, *,
+                             chunk_size: int | None = None) -> tuple:
+        """A shard of a sequence run from a zero state, and the shard's state map, in one run (for sequence
+        parallelism). From a state S_in, the shard gives S_t = A_t S_in + F_t, A_t = prod_(s <= t) exp(g_s)
+        (I - b_s k_s k_s^T), so o_t = scale F_t^T q_t + S_in^T (scale A_t^T q_t). Values widened by K zero columns
+        from the state [0 | I] carry F_t in their first V columns and A_t in the other K. Arguments as `chunk`'s
+        (fla's layout, no cu_seqlens). Returns (o [B, T, H, V] from zero, scale A_t^T q_t [B, T, H, K] (with a
+        tensor scale's factor, in o's dtype), F [B, H, K, V], A [B, H, K, K] fp32), differentiable."""
+        (q, k, v, g, beta, _), scale, chunk_size, scale_tensor, _ = self._chunk_inputs(
+            q, k, v, g, beta, scale, None, None, chunk_size)
+        batch, heads, dk, dv = q.shape[0], q.shape[2], k.shape[-1], v.shape[-1]
+        identity = torch.eye(dk, device=q.device).expand(batch, heads, dk, dk)
+        wide, ends = self.op(q, k, torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], -1), g, beta,
+                             torch.cat([identity.new_zeros(batch, heads, dk, dv), identity], -1), None, scale,
+                             chunk_size, True)
+        if scale_tensor is not None:
+            wide = wide * scale_tensor.to(wide.dtype)
+        return (*wide.split([dv, dk], -1), *ends.split([dv, dk], -1))
+
+    def _chunk_inputs(self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any, initial_state: Any,
+                      cu_seqlens: Any, chunk_size: int | None) -> tuple:
+        """`chunk`'s inputs checked and laid out for the kernels: ((q, k, v, g, beta, s_init), the kernel's scale,
+        the chunk size, the tensor scale or None, the head-first shape or None)."""
         chunk_size = self.chunk_size if chunk_size is None else chunk_size
         if chunk_size not in CHUNK_SIZES:  # the UT transform's blocks of 16 rows: 1, 2 or 4 per chunk
             raise CallError(None, detail=f"{self.spec_name}: chunk_size must be 16, 32 or 64, got {chunk_size}")
@@ -78,14 +110,9 @@ class DeltaRuleOp(LinearScanOp):
         if self.roles.head_first:  # [B, H, T, D] is [B * H, T, 1, D]: B * H sequences of one head
             (q, k, v, g, beta), (s_init,), shape = as_one_head_sequences((q, k, v, g, beta), (s_init,))
         k, v = _per_query_head(q, k, v)
-        o, s_fin = self.op(q.contiguous(), k.contiguous(), v.contiguous(), None if g is None else g.contiguous(),
-                           beta.contiguous(), s_init, cu_seqlens, float(scale), int(chunk_size),
-                           bool(output_final_state))
-        if shape is not None:
-            o, (s_fin,) = as_head_first(o, (s_fin,), shape)
-        if scale_tensor is not None:
-            o = o * scale_tensor.to(o.dtype)
-        return o, (s_fin if output_final_state else None)
+        inputs = (q.contiguous(), k.contiguous(), v.contiguous(), None if g is None else g.contiguous(),
+                  beta.contiguous(), s_init)
+        return inputs, float(scale), int(chunk_size), scale_tensor, shape
 
     def recurrent(self, q: Any, k: Any, v: Any, g: Any = None, beta: Any = None,  # type: ignore[override]
                   scale: Any = None, initial_state: Any = None, output_final_state: bool = True) -> tuple:
