@@ -192,6 +192,7 @@ def run_case(op: Op, forms, case: Case, device: str = "cpu", seed: int | None = 
                                         allow_unused=True) if differentiable else ()
     ref_grads = tuple(torch.zeros_like(ref_leaves[n]) if g is None else g
                       for n, g in zip(differentiable, ref_grads, strict=True))
+    scales = _cancellation_scales((ref, *ref_grads))
 
     name = case.dtype_name
     tol, grad_tol = forms.tolerances(case)  # a family may state looser ones (reduced-precision products)
@@ -199,8 +200,27 @@ def run_case(op: Op, forms, case: Case, device: str = "cpu", seed: int | None = 
     quantities += [(f"d{n}", g, r, forms.gradient_tolerance(case, n, grad_tol))
                    for n, g, r in zip(differentiable, grads, ref_grads, strict=True)]
     floor = forms.row_floor(case)
-    return Report([Row(q, name, _rel(v, r), t, row_error(v, r, floor), t * ROW_FACTOR, case.label)
-                   for q, v, r, t in quantities], drawn=Drawn(inputs, differentiable, grad_out, ref_grads))
+    rows, notes = [], []
+    for (q, v, r, t), scale in zip(quantities, scales, strict=True):
+        rows.append(Row(q, name, _rel(v, r, scale), t, row_error(v, r, floor, scale), t * ROW_FACTOR, case.label))
+        if scale is not None:
+            notes.append(f"{case.label}: {q} cancels to zero (float64 norm {float(r.detach().norm()):.1e}): judged "
+                         f"against the case's largest quantity ({scale:.1e})")
+    return Report(rows, notes, drawn=Drawn(inputs, differentiable, grad_out, ref_grads))
+
+
+CANCELS = 1e-9
+"""A quantity whose float64 reference is below CANCELS times the largest of its case (the output's or a gradient's
+norm) is zero in exact arithmetic (a per-row shift of softmax scores; the scale of a spherical normaliser): the
+float64 value is only rounding, and the kernel's, rounding of terms that cancel. It is judged against that
+largest norm, so noise passes and a value of the size of the case's quantities fails."""
+
+
+def _cancellation_scales(refs: tuple[torch.Tensor, ...]) -> list[float | None]:
+    """Per quantity (the output, then each gradient), the largest norm of the case where it cancels, else None."""
+    norms = [float(r.detach().norm()) if r.numel() and torch.isfinite(r).all() else math.nan for r in refs]
+    largest = max((n for n in norms if math.isfinite(n)), default=0.0)
+    return [largest if math.isfinite(n) and largest > 0 and n < CANCELS * largest else None for n in norms]
 
 
 def _solve_notes(op: Op, report: Report, device: str, seed: int | None) -> list[str]:
@@ -227,25 +247,29 @@ def _solve_notes(op: Op, report: Report, device: str, seed: int | None) -> list[
             f"{gaps[worst]:.1e} ({worst}), which more iterations shrink"]
 
 
-def _rel(value: torch.Tensor, ref: torch.Tensor) -> float:
+def _rel(value: torch.Tensor, ref: torch.Tensor, cancelling: float | None = None) -> float:
+    """||value - ref|| / ||ref||; cancelling: for a ref that cancels to zero (`CANCELS`), the norm judged against
+    instead."""
     value, ref = value.detach().to("cpu", torch.float64), ref.detach()
     if torch.isnan(value).any() or torch.isnan(ref).any():
         return float("nan")
-    return float((value - ref).norm() / ref.norm().clamp_min(1e-300))
+    scale = ref.norm() if cancelling is None else torch.tensor(cancelling, dtype=torch.float64)
+    return float((value - ref).norm() / scale.clamp_min(1e-300))
 
 
-def row_error(value: torch.Tensor, ref: torch.Tensor, floor: float = 0.25) -> float:
+def row_error(value: torch.Tensor, ref: torch.Tensor, floor: float = 0.25, cancelling: float | None = None) -> float:
     """The worst row (over the last axis) of ||out_row - ref_row|| / max(||ref_row||, floor * RMS row norm): a
     few wrong rows or tokens fail even when the whole-tensor norm averages them away, and tiny rows are judged
-    against the tensor's scale instead of blowing up."""
+    against the tensor's scale instead of blowing up. cancelling: as `_rel`'s (the RMS row norm taken from it)."""
     value, ref = value.detach().to("cpu", torch.float64), ref.detach().to(torch.float64)
     if torch.isnan(value).any() or torch.isnan(ref).any():
         return float("nan")
     width = ref.shape[-1] if ref.dim() else 1
     diff = (value - ref).reshape(-1, width).norm(dim=1)
     norms = ref.reshape(-1, width).norm(dim=1)
-    least = floor * norms.square().mean().sqrt()
-    return float((diff / torch.maximum(norms, least).clamp_min(1e-300)).max())
+    rms = norms.square().mean().sqrt() if cancelling is None else cancelling / max(len(norms), 1) ** 0.5
+    least = floor * rms
+    return float((diff / torch.maximum(norms, torch.as_tensor(least, dtype=torch.float64)).clamp_min(1e-300)).max())
 
 
 def format_rows(rows: list[Row]) -> list[str]:

@@ -587,3 +587,24 @@ def test_a_negative_scale_under_a_score_modifier_keeps_the_running_max_of_the_mo
     ref, ref_grads = _reference(case, x, grad_out)
     assert float(ref.abs().amax()) > 0 and float((_scale(x) * x["Q"] @ x["K"].transpose(-1, -2)).abs().amax()) > 60
     _assert_matches(case, out, grads, ref, ref_grads, grad_out)
+
+
+def test_a_16_bit_modifier_tensor_is_read_in_its_declared_fp32(op_cache):
+    """FoX's gate sums declared f32 and passed in bf16 (as a bf16 model would) give the output and gradients of
+    the same values in fp32: the hooks widen what they load (the interpreter once negated bf16 -fk bit-wise,
+    a relative error of 1.1), and each gradient comes back in its input's dtype."""
+    op = ncd.load(ROOT / "specs" / "forgetting_softmax.ncd", cache_dir=op_cache, sizes={"dim": 16})
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 11, 16, generator=gen) for _ in range(3))
+    c = F.logsigmoid(torch.randn(1, 2, 11, generator=gen) + 1.0).cumsum(-1).bfloat16()
+    do = torch.randn(1, 2, 11, 16, generator=gen)
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        fq, fk = (c.to(dtype).detach().clone().requires_grad_() for _ in range(2))
+        out = op(q, k, v, fq, fk)
+        out.backward(do)
+        assert fk.grad.dtype == dtype
+        results.append((out, fk.grad.float()))
+    (out16, dfk16), (out32, dfk32) = results
+    assert float((out16 - out32).norm() / out32.norm()) < 1e-6
+    assert float((dfk16 - dfk32).norm() / dfk32.norm()) < 1e-2  # (dfk16 rounded to bf16)

@@ -283,3 +283,17 @@ def test_fast_forgetting_gates_catch_an_unstable_gka_solve(tmp_path, monkeypatch
     monkeypatch.setattr(kernels, "solve_precision",
                         lambda config, dtype: "fp16" if dtype == torch.bfloat16 else by_dtype(config, dtype))
     assert not all(r.ok for r in _run(clean, "chunk 16", "fast gates", torch.bfloat16))
+
+
+def test_a_gradient_that_cancels_is_judged_by_the_case_not_by_its_rounding(tmp_path):
+    """FoX's fq gradient is zero in exact arithmetic (softmax ignores a shift of a row): float64 gives 1e-14 of
+    rounding, the kernel 1e-6, once a relative error of 1e9 that failed every case. It is judged against the
+    case's largest quantity: the kernel's rounding passes, a kernel that adds 1e-3 to each pair's share fails. A
+    gradient that is small but not zero keeps its own norm."""
+    from ncd.validate import CANCELS, _cancellation_scales
+
+    clean = _load("forgetting_softmax", tmp_path)
+    sabotaged = _edited(clean, tmp_path, r"(d\d+) = ds\n", r"\1 = ds + 0.001\n")  # fq's share (fk's is -ds)
+    _assert_caught(clean, sabotaged, "streamed", "normal")
+    small = torch.full((4,), 1e-6, dtype=torch.float64)
+    assert _cancellation_scales((torch.ones(4), small, small * CANCELS)) == [None, None, 2.0]

@@ -26,7 +26,12 @@ def _load(name: str, cache: str):
     from ncd.ops import shipped_spec
 
     base, _, form = name.partition("+")
-    op = ncd.load(shipped_spec(base), cache_dir=cache, sizes={"dim": D})
+    path = shipped_spec(base) if base not in LOCAL_SPECS else Path(cache, f"{base}.ncd")
+    if base in LOCAL_SPECS and not path.exists():  # (each rank writes it whole, then renames)
+        Path(cache).mkdir(parents=True, exist_ok=True)
+        Path(cache, f"{base}.{os.getpid()}").write_text(LOCAL_SPECS[base])
+        os.replace(Path(cache, f"{base}.{os.getpid()}"), path)
+    op = ncd.load(path, cache_dir=cache, sizes={"dim": D})
     return op.with_config(factorize="always") if form == "factorized" else op
 
 
@@ -55,14 +60,34 @@ def _inputs(name: str, n: int) -> dict:
         x["table"] = torch.randn(H, 32, generator=gen)
     if name == "biased_softmax":  # [head query key]: each rank's queries against every key, with its gradient
         x["bias"] = torch.randn(H, n, n, generator=gen)
+    if name in ("forgetting_softmax", "windowed_forgetting"):  # cumulative log forget gates, read at both ends
+        c = torch.nn.functional.logsigmoid(torch.randn(b, H, n, generator=gen) + 2.0).cumsum(-1)
+        x["fq"], x["fk"] = c, c.clone()
     return x
 
 
 SHARED = ("scale", "sink", "slope", "window", "table")  # read whole by every shard
+CANCELS = {"fq": "fk"}  # fq's gradient is zero in exact arithmetic: judged against the size of fk's
+
+# FoX with a sliding window: a key-side tensor with a gradient where the halo exchange moves the keys
+LOCAL_SPECS = {"windowed_forgetting": """spec windowed_forgetting
+axis batch, head, query, key
+axis dim = 128
+in  Q[batch head query dim] : bf16
+in  K[batch head key dim]   : bf16
+in  V[batch head key dim]   : bf16
+in  fq[batch head query]    : f32
+in  fk[batch head key]      : f32
+in  window : i32 = 5
+S[batch head query key] = (Q . K over dim) / sqrt(size(dim)) + (fq - fk)
+A[batch head query key] = normalize(S, over key, a1(x) = exp(x), a2(x) = exp(x), b(z) = z,
+                                    mask = key <= query and key > query - window)
+out O[batch head query dim] = A . V over key
+"""}
 
 
 def _seq_dim(name: str, t: str) -> int:
-    return {"Q": 2, "K": 2, "V": 2, "M": 1, "q_doc": 1, "k_doc": 1, "bias": 1}[t]
+    return {"Q": 2, "K": 2, "V": 2, "M": 1, "q_doc": 1, "k_doc": 1, "bias": 1, "fq": 2, "fk": 2}[t]
 
 
 def _zigzag(op) -> bool:
@@ -146,7 +171,8 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
     finally:
         ring.FactorizedContextParallel.apply, ring.halo_forward = original, halo_forward
     assert bool(calls) == ("+factorized" in name), f"{name}: the wrong form ran (factorized: {bool(calls)})"
-    local = name == "sliding_window_softmax"  # a window of 5 over chunks of 9: 4 keys of each earlier chunk
+    local = name in ("sliding_window_softmax", "windowed_forgetting")  # a window of 5 over chunks of 9: 4 keys of
+    # each earlier chunk
     assert bool(halos) == local, f"{name}: the halo exchange ran: {bool(halos)}, expected {local}"
     do_mine = _shard(name, {"Q": do}, rank, world, shards, causal)["Q"]
     loss = (o * do_mine).sum()
@@ -164,6 +190,9 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
             grad = t.grad.clone()
             dist.all_reduce(grad)
             errors[f"d{n}"] = _rel(grad, ref[n].grad)
+        elif n in CANCELS:  # rounding both sides, at the size of the terms that cancel
+            want = _shard(name, {n: ref[n].grad}, rank, world, shards, causal)[n]
+            errors[f"d{n}"] = float((t.grad - want).norm() / ref[CANCELS[n]].grad.norm())
         else:
             errors[f"d{n}"] = _rel(t.grad, _shard(name, {n: ref[n].grad}, rank, world, shards, causal)[n])
     bad = {n: e for n, e in errors.items() if not e < 1e-5}
@@ -186,9 +215,9 @@ CASES = {
     2: [("causal_softmax_attention", [10, 10]), ("signed_l1_attention", [7, 12]), ("causal_gqa_spherical", [14, 14]),
         ("causal_spherical_attention+factorized", [38, 38]), ("sink_softmax", [10, 10]),
         ("softmax_plus_one", [7, 12]), ("alibi_softmax", [10, 10]), ("document_softmax", [14, 14]),
-        ("t5_log_bucket_softmax", [9, 14]), ("biased_softmax", [7, 12])],
+        ("t5_log_bucket_softmax", [9, 14]), ("biased_softmax", [7, 12]), ("forgetting_softmax", [10, 10])],
     3: [("spherical_attention+factorized", [9, 20, 13]), ("causal_softmax_attention+lse", [6, 6, 6]),
-        ("sliding_window_softmax", [18, 18, 18])],
+        ("sliding_window_softmax", [18, 18, 18]), ("windowed_forgetting", [18, 18, 18])],
     4: [("causal_spherical_attention", [6, 6, 6, 6]), ("causal_gqa_spherical+factorized", [10, 10, 10, 10])],
 }
 
@@ -200,7 +229,8 @@ def test_context_parallel_equals_the_single_process_op(tmp_path, world):
     non-causal spec on uneven shards, GQA with a per-key weight that travels with the keys; causal chunks of odd
     length (5, 3, 7). The factorized form's states: zigzag chunks of 19 (past the interpreter's 16-key chunk),
     uneven non-causal shards, GQA with a weight. A sink merged once (a per-head logit whose gradient sums over the
-    ranks; softmax-plus-one's constant), and the row statistic (return_lse) with its own gradient."""
+    ranks; softmax-plus-one's constant), and the row statistic (return_lse) with its own gradient. A tensor over
+    keys whose gradient travels home with dK/dV: FoX's gate sums on the ring, and with a window, by the halo."""
     _spawn(tmp_path, world, CASES[world])
 
 

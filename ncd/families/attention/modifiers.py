@@ -350,7 +350,10 @@ def _loads(ctx: _Context, leaves: tuple[tuple[str, ir.Node], ...], in_score: boo
         # bounds only along the positions the tensor has: a per-query value loads once per row of the tile
         bounds = [b for role, b in ((QUERY, "(i < C[0])"), (KEY, "(j < C[1])")) if role in mod.reads]
         mask = f", mask={' & '.join(bounds)}, other=0" if bounds else ""
-        lines.append(fit(f"{local} = ", f"tl.load(C[{slot}] + {ctx.offset(mod, slot)}{mask})"))
+        # a float tensor is computed with in fp32 whatever dtype the caller passes (its declared f32 holds the
+        # 16-bit values exactly; Triton 3.9's interpreter also negates bf16 values wrongly)
+        widen = ".to(tl.float32)" if (ctx.program.tensor(node.tensor).dtype or "f32").startswith(("f", "bf")) else ""
+        lines.append(fit(f"{local} = ", f"tl.load(C[{slot}] + {ctx.offset(mod, slot)}{mask}){widen}"))
         table[name] = local
     return lines, table
 

@@ -116,9 +116,10 @@ class RingModifiers:
     op's modifier tensors on this rank, with each one's query and key dimension (None: none): the query dimension
     is cut to the call's rows, the key dimension travels with the key shard. takes_grad: the tensors the kernels
     add gradients to (float tensors of the score), given buffers for all of them; wanted: the caller wants one of
-    them (then none has a key dimension). zigzag: a mask hides pairs (the causal layout). key_bound, bounds(q, k,
-    tensors, place): the range hook that bounds a block of rows' keys without call-time tables (the compile-time
-    bound where the kernels read tables: it reads no tensor over keys) and its context (`_plan`)."""
+    them (then the gradients of those over keys travel with the shards' dK/dV: `key_grad_shapes`). zigzag: a mask
+    hides pairs (the causal layout). key_bound, bounds(q, k, tensors, place): the range hook that bounds a block
+    of rows' keys without call-time tables (the compile-time bound where the kernels read tables: it reads no
+    tensor over keys) and its context (`_plan`)."""
 
     context: Callable[..., tuple]
     tensors: tuple[torch.Tensor, ...]
@@ -143,12 +144,23 @@ class RingModifiers:
         return [(torch.Size(n_k if i == d else size for i, size in enumerate(t.shape)), t.dtype)
                 for t, d in zip(self.tensors, self.key_dims, strict=True) if d is not None]
 
+    def key_grad_shapes(self, n_k: int) -> list[tuple[int, ...]]:
+        """Shapes at key length n_k of the fp32 gradients that travel with a shard: those of the tensors over keys
+        that take one, when the caller wants them."""
+        if not self.wanted:
+            return []
+        return [tuple(n_k if i == d else size for i, size in enumerate(t.shape))
+                for t, d, grad in zip(self.tensors, self.key_dims, self.takes_grad, strict=True)
+                if d is not None and grad]
+
     def call(self, q: torch.Tensor, k: torch.Tensor, rows: slice, keys: slice, shard: list[torch.Tensor],
-             place: tuple | None, columns: bool, buffers: list[torch.Tensor] | None = None) -> tuple:
+             place: tuple | None, columns: bool, buffers: list[torch.Tensor] | None = None,
+             key_buffers: list[torch.Tensor] | None = None) -> tuple:
         """(context, gradient buffers G, [(part of a buffer, the call's buffer)]) of one call: this rank's q[rows]
         against the held shard's k[keys] (`shard`: its travelling tensors); buffers: the fp32 gradients of the
-        tensors that take one (whole). The kernels zero G before they add to it (kernel.py: the autotuner runs
-        them repeatedly), so each call gets zeroed buffers of its own, added to `buffers` after it."""
+        tensors that take one (whole), of which those over keys are the held shard's, in key_buffers
+        (`key_grad_shapes`). The kernels zero G before they add to it (kernel.py: the autotuner runs them
+        repeatedly), so each call gets zeroed buffers of its own, added to the buffers after it."""
         held = iter(shard)
         tensors = []
         whole = self.whole_key_dims or (None,) * len(self.tensors)
@@ -161,11 +173,15 @@ class RingModifiers:
             tensors.append(_cut(t, q_dim, rows) if q_dim is not None else t)
         grads: tuple = ()
         pairs = []
-        dims = [(d, w) for d, w, g in zip(self.query_dims, whole, self.takes_grad, strict=True) if g] \
-            if buffers is not None else []
-        for b, (dim, w_dim) in zip(buffers or [], dims, strict=True):
-            part = _cut(b, dim, rows) if dim is not None else b
-            part = _cut(part, w_dim, columns_at) if w_dim is not None else part
+        dims = [(d, w, k_dim) for d, w, k_dim, g in zip(self.query_dims, whole, self.key_dims, self.takes_grad,
+                                                        strict=True) if g] if buffers is not None else []
+        held_grads = iter(key_buffers or [])
+        for b, (dim, w_dim, k_dim) in zip(buffers or [], dims, strict=True):
+            if k_dim is not None:  # (a tensor over keys has no query dimension: else it is held whole)
+                part = _cut(next(held_grads), k_dim, keys)
+            else:
+                part = _cut(b, dim, rows) if dim is not None else b
+                part = _cut(part, w_dim, columns_at) if w_dim is not None else part
             own = torch.zeros(part.shape, dtype=part.dtype, device=part.device)
             grads += (own, *own.stride())
             pairs.append((part, own))
@@ -412,15 +428,15 @@ def _forward_calls(ring: Ring, blocks: list, q: torch.Tensor, held: Held, o: tor
 def _call_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, o: torch.Tensor, z: torch.Tensor,
                    m: torch.Tensor | None, delta_in: torch.Tensor | None, held: Held, rows: slice, keys: slice,
                    place: tuple | None, buffers: list[torch.Tensor] | None, dw: torch.Tensor | None,
-                   kernels: AttentionKernels | None = None) -> tuple:
-    """(dq, dk, dv) of one call in the kernels' dtypes; its modifier-tensor gradients added to `buffers`, its
-    per-key weight's to dw[:, keys]."""
+                   key_grads: list[torch.Tensor], kernels: AttentionKernels | None = None) -> tuple:
+    """(dq, dk, dv) of one call in the kernels' dtypes; its modifier-tensor gradients added to `buffers` (those
+    over keys to the held shard's `key_grads`), its per-key weight's to dw[:, keys]."""
     kernels = kernels or ring.kernels
     k_s, v_s, w_s, travelling = held
     w_b = w_s[:, keys] if w_s is not None else None
     stats = (z[:, :, rows].contiguous(), m[:, :, rows].contiguous() if m is not None else None)
     extra = None if delta_in is None else delta_in[:, :, rows].contiguous()
-    context, g_args, pairs = ring.modifiers.call(q, k_s, rows, keys, travelling, place, True, buffers) \
+    context, g_args, pairs = ring.modifiers.call(q, k_s, rows, keys, travelling, place, True, buffers, key_grads) \
         if ring.modifiers is not None else (None, (), [])
     grads = kernels.backward(do[:, :, rows], q[:, :, rows], k_s[:, :, keys], v_s[:, :, keys], o[:, :, rows],
                              stats, w_b, ring.scale, context, g_args, delta_in=extra)
@@ -435,36 +451,42 @@ def _call_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, o: torch.Tenso
 def _backward_calls(ring: Ring, blocks: list, do: torch.Tensor, q: torch.Tensor, o: torch.Tensor, z: torch.Tensor,
                     m: torch.Tensor | None, delta_in: torch.Tensor | None, held: Held, dq: torch.Tensor,
                     grads: tuple, buffers: list[torch.Tensor] | None) -> None:
-    """Add the held shard's calls' gradients: to dq, to grads (dk, dv, dw or None: `_grad_buffer`) and to the
-    modifier tensors' buffers."""
-    dk_s, dv_s, dw_s = grads
+    """Add the held shard's calls' gradients: to dq, to grads (dk, dv, dw or None, the modifier tensors' over keys:
+    `_grad_buffer`) and to the other modifier tensors' buffers."""
+    dk_s, dv_s, dw_s, key_grads = grads
     for rows, keys, kernels, place in blocks:
         dq_b, dk_b, dv_b = _call_backward(ring, do, q, o, z, m, delta_in, held, rows, keys, place, buffers, dw_s,
-                                          kernels)
+                                          key_grads, kernels)
         dq[:, :, rows] += dq_b
         dk_s[:, :, keys] += dk_b
         dv_s[:, :, keys] += dv_b
 
 
-def _grad_size(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int) -> int:
-    """fp32 elements of a shard's travelling gradients at key length n_k: dK, dV and (w given) the weight's."""
-    per_key = k.shape[0] * k.shape[1] * k.shape[3] + v.shape[0] * v.shape[1] * v.shape[3]
-    return (per_key + (w.shape[0] if w is not None else 0)) * n_k
+def _grad_shapes(ring: Ring, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int) -> list:
+    """Shapes of a shard's travelling fp32 gradients at key length n_k: dK, dV, (w given) the weight's, and the
+    modifier tensors' over keys (RingModifiers.key_grad_shapes)."""
+    shapes = [(*k.shape[:2], n_k, k.shape[3]), (*v.shape[:2], n_k, v.shape[3])]
+    if w is not None:
+        shapes.append((w.shape[0], n_k))
+    return shapes + (ring.modifiers.key_grad_shapes(n_k) if ring.modifiers is not None else [])
 
 
-def _grad_views(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int) -> tuple:
-    """(dk, dv, dw or None) as views of a flat gradient buffer of n_k keys (`_grad_size`)."""
-    shapes = [(*k.shape[:2], n_k, k.shape[3]), (*v.shape[:2], n_k, v.shape[3])] + \
-        ([(w.shape[0], n_k)] if w is not None else [])
-    parts = flat.split([math.prod(s) for s in shapes])
-    views = [p.view(s) for p, s in zip(parts, shapes, strict=True)]
-    return views[0], views[1], views[2] if w is not None else None
+def _grad_size(ring: Ring, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int) -> int:
+    return sum(math.prod(s) for s in _grad_shapes(ring, k, v, w, n_k))
 
 
-def _grad_buffer(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int) -> tuple:
-    """(a zeroed fp32 flat buffer, its views dk, dv, dw): a shard's gradients, sent as one transfer."""
-    flat = torch.zeros(_grad_size(k, v, w, n_k), dtype=torch.float32, device=k.device)
-    return flat, _grad_views(flat, k, v, w, n_k)
+def _grad_views(ring: Ring, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None,
+                n_k: int) -> tuple:
+    """(dk, dv, dw or None, [the modifier tensors' over keys]) as views of a flat gradient buffer of n_k keys."""
+    shapes = _grad_shapes(ring, k, v, w, n_k)
+    views = [p.view(s) for p, s in zip(flat.split([math.prod(s) for s in shapes]), shapes, strict=True)]
+    return views[0], views[1], views[2] if w is not None else None, views[2 + int(w is not None):]
+
+
+def _grad_buffer(ring: Ring, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_k: int) -> tuple:
+    """(a zeroed fp32 flat buffer, its views): a shard's gradients, sent as one transfer."""
+    flat = torch.zeros(_grad_size(ring, k, v, w, n_k), dtype=torch.float32, device=k.device)
+    return flat, _grad_views(ring, flat, k, v, w, n_k)
 
 
 def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None) -> tuple:
@@ -494,7 +516,8 @@ def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                   w: torch.Tensor | None, o: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None,
                   last: torch.Tensor, delta_in: torch.Tensor | None = None, weight_grad: bool = False,
                   buffers: list[torch.Tensor] | None = None) -> tuple:
-    """(dq, dk, dv, dw or None) of this rank's shard: the ordinary backward against each shard in turn, from the
+    """(dq, dk, dv, dw or None, [the modifier tensors' gradients over keys]) of this rank's shard: the ordinary
+    backward against each shard in turn, from the
     rows' final (o, z, m). The ring turns the other way: it starts from the forward's last shard (`last`, the next
     rank's), each rank sending to the previous one, and ends with this rank's own keys. A shard's fp32 dK/dV (and
     the per-key weight's gradient, with weight_grad) accumulate as they travel with it, so the last transfer, of
@@ -515,7 +538,7 @@ def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                                                                    ring.modifiers)))
             pending = ring.exchange(shard, incoming, backwards=True)
         held = _own(ring, k, v, w) if owner == rank else _held(ring, shard, k, v, w, ring.key_lengths[owner])
-        grads, views = _grad_buffer(k, v, wg, ring.key_lengths[owner])
+        grads, views = _grad_buffer(ring, k, v, wg, ring.key_lengths[owner])
         _backward_calls(ring, ring.blocks((rank - owner) % world, n_q), do, q, o, z, m, delta_in, held, dq, views,
                         buffers)
         if arriving is not None:  # what the ranks before this one added to the shard's gradients
@@ -523,13 +546,13 @@ def ring_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 request.wait()
             grads += arriving
         if owner != rank:
-            arriving = grads.new_empty(_grad_size(k, v, wg, ring.key_lengths[(owner + 1) % world]))
+            arriving = grads.new_empty(_grad_size(ring, k, v, wg, ring.key_lengths[(owner + 1) % world]))
             pending_grads = ring.exchange(grads, arriving, backwards=True)
         for request in pending:
             request.wait()
         shard = incoming
-    dk, dv, dw = _grad_views(grads, k, v, wg, k.shape[2])
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw
+    dk, dv, dw, key_grads = _grad_views(ring, grads, k, v, wg, k.shape[2])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw, key_grads
 
 
 def _shifted(calls: tuple[Call, ...], by: int) -> list:
@@ -657,27 +680,29 @@ def halo_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     sends = {}
     for s, buffer in received.items():  # the halos' gradients, sent home while the own keys run
         lo, hi = ring.halo[rank][s]
-        sends[s], (dk_halo, dv_halo, dw_halo) = _grad_buffer(k, v, wg, hi - lo)
+        sends[s], (dk_halo, dv_halo, dw_halo, key_halo) = _grad_buffer(ring, k, v, wg, hi - lo)
         halo = _held(ring, buffer, k, v, w, hi - lo)
         for part, keys, _, place in _shifted(ring.calls[s], lo):
             dq_b, dk_b, dv_b = _call_backward(ring, do, q, o, z, m, delta_in, halo, part, keys, place, buffers,
-                                              dw_halo)
+                                              dw_halo, key_halo)
             dq.extras[dq.piece(part)].append((part, dq_b))
             dk_halo[:, :, keys] += dk_b
             dv_halo[:, :, keys] += dv_b
-    receives = {d: k.new_empty(_grad_size(k, v, wg, row[rank][1] - row[rank][0]), dtype=torch.float32)
+    receives = {d: k.new_empty(_grad_size(ring, k, v, wg, row[rank][1] - row[rank][0]), dtype=torch.float32)
                 for d, row in enumerate(ring.halo) if row[rank][1] > row[rank][0]}
     pending = ring.swap(sends, receives)
     held = _own(ring, k, v, w)
+    key_grads = [torch.zeros(shape, dtype=torch.float32, device=k.device)
+                 for shape in ring.modifiers.key_grad_shapes(k.shape[2])]
     for i, (part, keys, place) in enumerate(own):
-        grads = _call_backward(ring, do, q, o, z, m, delta_in, held, part, keys, place, buffers, dw)
+        grads = _call_backward(ring, do, q, o, z, m, delta_in, held, part, keys, place, buffers, dw, key_grads)
         for dense, span, value in zip((dq, dk, dv), (part, keys, keys), grads, strict=True):
             dense.put(i, span, value)
     for request in pending:
         request.wait()
     for d, got in receives.items():
         lo, hi = ring.halo[d][rank]
-        g_k, g_v, g_w = _grad_views(got, k, v, wg, hi - lo)
+        g_k, g_v, g_w, g_keys = _grad_views(ring, got, k, v, wg, hi - lo)
         for piece_index, piece in enumerate(keys_pieces):  # what came back, cut by the pieces it covers
             start, stop = max(lo, piece.start), min(hi, piece.stop)
             if start < stop:
@@ -685,7 +710,17 @@ def halo_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 dv.extras[piece_index].append((slice(start, stop), g_v[:, :, start - lo:stop - lo]))
         if dw is not None and g_w is not None:
             dw[:, lo:hi] += g_w
-    return dq.finish(), dk.finish(), dv.finish(), dw
+        for mine, got_key, dim in zip(key_grads, g_keys, _key_grad_dims(ring), strict=True):
+            _cut(mine, dim, slice(lo, hi)).add_(got_key)
+    return dq.finish(), dk.finish(), dv.finish(), dw, key_grads
+
+
+def _key_grad_dims(ring: Ring) -> list[int]:
+    """The key dimensions of the modifier tensors whose gradients travel (RingModifiers.key_grad_shapes)."""
+    mods = ring.modifiers
+    if mods is None or not mods.wanted:
+        return []
+    return [d for d, grad in zip(mods.key_dims, mods.takes_grad, strict=True) if d is not None and grad]
 
 
 class RingAttention(torch.autograd.Function):
@@ -729,15 +764,21 @@ class RingAttention(torch.autograd.Function):
             if mods is not None and mods.wanted else None
         weight_grad = w is not None and ctx.needs_input_grad[3]
         if ring.halo is not None:
-            dq, dk, dv, dw = halo_backward(ring, do, q, k, v, w, o, z, m, ctx.halos, delta_in, weight_grad, buffers)
+            dq, dk, dv, dw, key_grads = halo_backward(ring, do, q, k, v, w, o, z, m, ctx.halos, delta_in,
+                                                      weight_grad, buffers)
         else:
-            dq, dk, dv, dw = ring_backward(ring, do, q, k, v, w, o, z, m, ctx.last, delta_in, weight_grad, buffers)
+            dq, dk, dv, dw, key_grads = ring_backward(ring, do, q, k, v, w, o, z, m, ctx.last, delta_in,
+                                                      weight_grad, buffers)
             ctx.last = None
         mod_grads: list[torch.Tensor | None] = []
         if mods is not None:  # this rank's queries' share: the ranks' gradients sum to the whole one
-            made = iter(buffers or [])
-            mod_grads = [next(made).to(t.dtype) if grad and buffers is not None else None
-                         for t, grad in zip(mods.tensors, mods.takes_grad, strict=True)]
+            made, over_keys = iter(buffers or []), iter(key_grads)
+            for t, grad, over in zip(mods.tensors, mods.takes_grad, mods.key_dims, strict=True):
+                if not grad or buffers is None:
+                    mod_grads.append(None)
+                    continue
+                whole = next(made)  # (those over keys: the ring's, of this rank's shard)
+                mod_grads.append((next(over_keys) if over is not None else whole).to(t.dtype))
             mod_grads = [g if need else None for g, need in zip(mod_grads, ctx.needs_input_grad[6:], strict=True)]
         dsink = None
         if ring.sink is not None and sink is not None and ctx.needs_input_grad[4]:

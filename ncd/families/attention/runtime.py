@@ -329,7 +329,7 @@ class AttentionOp:
             tensors[i] = whole.get(name, tensors[i])
         wanted = torch.is_grad_enabled() and any(grad and t.requires_grad
                                                  for (_, _, grad), t in zip(self.mod_tensors, tensors, strict=True))
-        for name, _, grad in self.mod_tensors:
+        for name, _, _ in self.mod_tensors:
             dims = axes[name]
             query_dims.append(dims.index(q_axis) if q_axis in dims else None)
             key_dims.append(dims.index(k_axis) if k_axis in dims else None)
@@ -340,10 +340,6 @@ class AttentionOp:
                                        f"parallelism holds this rank's '{q_axis}' positions against every '{k_axis}'",
                                        hint="call the op through ncd.distributed.context_parallel_attention")
                 whole_dims[-1], key_dims[-1] = key_dims[-1], None
-            if key_dims[-1] is not None and grad and wanted:
-                raise rt.CallError(None, detail=f"{self.spec_name}: {name}'s gradient under context parallelism "
-                                   f"would travel with the '{k_axis}' shards (not implemented)",
-                                   hint="detach the modifier tensors, or run the op on one device")
 
         def context(q: torch.Tensor, k: torch.Tensor, tensors: Sequence[torch.Tensor], place: tuple,
                     columns: bool) -> tuple:
