@@ -285,6 +285,25 @@ def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None
         got = context_parallel_attention(window_op, **mine, window=window)
         want = zigzag_shard(window_op(**whole, window=window), 2, rank, world)
         assert _rel(got, want) < 1e-5, f"window {window}: {_rel(got, want)}"
+    # a plan is made once where the mask reads no tensor (FoX's gate sums feed the score only), every call where
+    # it does (document ids); the second FoX call runs from the cached plan and still equals the op
+    from ncd.families.attention import ring
+
+    reach, counted = ring.RingModifiers.reach, []
+    ring.RingModifiers.reach = lambda *a: counted.append(1) or reach(*a)
+    try:
+        for name in ("forgetting_softmax", "document_softmax"):
+            op, x = _load(name, cache), _inputs(name, 8)
+            mine = _shard(name, x, rank, world, [8, 8], True)
+            runs = []
+            for _ in range(2):
+                counted.clear()
+                got = context_parallel_attention(op, **mine)
+                runs.append(len(counted))
+                assert _rel(got, zigzag_shard(op(**x), 2, rank, world)) < 1e-5
+            assert runs[0] > 0 and runs[1] == (runs[0] if name == "document_softmax" else 0), (name, runs)
+    finally:
+        ring.RingModifiers.reach = reach
     dist.destroy_process_group()
 
 

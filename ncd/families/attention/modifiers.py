@@ -23,6 +23,7 @@ inside without the mask. Without an interval the range is everything, every bloc
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ class ModTensor:
     in_score: bool
     index: tuple[str, ...] = ()  # per dimension: the Triton text of its index expression ("" for a role's position)
     positions: frozenset[str] = frozenset()  # the roles the index expressions read (their bounds mask the load)
+    in_mask: bool = False  # read by the mask (so by its range hooks: what blocks a row sees depends on it)
 
     @property
     def reads(self) -> frozenset[str]:
@@ -208,12 +210,12 @@ class _Context:
             mod, slot = known
             if mod.roles != tuple(roles) or mod.index != tuple(texts):
                 raise UnsupportedModifier(load.span, detail=f"'{load.tensor}' is read at two different indices")
-            if in_score and not mod.in_score:
-                self.tensors[load.tensor] = (ModTensor(mod.name, mod.roles, mod.float, True, mod.index,
-                                                       mod.positions), slot)
+            if (in_score and not mod.in_score) or (not in_score and not mod.in_mask):
+                self.tensors[load.tensor] = (dataclasses.replace(mod, in_score=mod.in_score or in_score,
+                                                                 in_mask=mod.in_mask or not in_score), slot)
             return self.tensors[load.tensor]
         mod = ModTensor(load.tensor, tuple(roles), tensor.dtype in FLOAT_DTYPES, in_score, tuple(texts),
-                        frozenset(positions))
+                        frozenset(positions), in_mask=not in_score)
         self.tensors[load.tensor] = (mod, self.slots)
         self.layout.append(("tensor", load.tensor))
         self.slots += 1 + len(roles)

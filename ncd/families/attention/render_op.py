@@ -64,7 +64,7 @@ def render_attention_op(program: ir.Program, cert: Certificate, roles: Attention
     inputs = program.inputs
     params: list[str] = []
     tensor_inputs, scalar_inputs = [], []
-    modifier_tensors = [{"name": t.name, "dims": len(t.roles), "grad": t.float and t.in_score}
+    modifier_tensors = [{"name": t.name, "dims": len(t.roles), "grad": t.float and t.in_score, "mask": t.in_mask}
                         for t in modifiers.tensors]
     # positional: the inputs, then the parameters (backend._check_signature put the inputs with defaults last; they
     # stay last, after the parameters)

@@ -130,7 +130,7 @@ class RingModifiers:
     zigzag: bool
     key_bound: Any = None
     bounds: Callable[..., tuple] | None = None
-    plans: dict | None = None  # `_plan`'s results by call (None: the hooks read tensors, so plans are per call)
+    plans: dict | None = None  # `_plan`'s results by call (None: the mask reads tensors, so plans are per call)
     constants: tuple = ()  # the scalar inputs and sizes the hooks read (part of a plan's key)
     # per tensor, a key dimension held whole on every rank (a [head query key] bias: this rank's queries against
     # every key), cut to each call's keys by their place in the sequence; () or None: none

@@ -31,7 +31,7 @@ class AttentionOp:
                  query: str, key: str, value: str, perms: Mapping[str, tuple[int, ...]], weight: str | None = None,
                  weight_layout: tuple[int, ...] | str | None = None, scale_grad: str | None = None,
                  factorized: bool = False,
-                 modifiers: tuple[Sequence[tuple[str, int, bool]], Sequence[str], Sequence[str],
+                 modifiers: tuple[Sequence[tuple[str, int, bool, bool]], Sequence[str], Sequence[str],
                                   Sequence[tuple[str, str]]] = ((), (), (), ()),
                  sink: tuple[str | None, tuple[int, ...], float, bool] | None = None,
                  tables: tuple[bool, bool] | None = None, stat_rate: float = 0.0,
@@ -41,12 +41,13 @@ class AttentionOp:
         # the score and mask hooks' inputs (modifiers.py): tensors (name, dimensions, takes a gradient), scalar
         # inputs, and the axes whose sizes they read; after (q, k, v, w, scale) in that order
         tensors, scalars, sizes, layout = modifiers
-        order = [*(name for name, _, _ in tensors), *scalars, *sizes]  # the op's modifier arguments, in order
+        order = [*(name for name, _, _, _ in tensors), *scalars, *sizes]  # the op's modifier arguments, in order
         # the context's entries after (N_Q, N_K, GROUP): (index into those arguments, a tensor: pointer and strides)
         # ("offsets": a call-time index table over key - query, built by the generated host function of that name)
         self.mod_layout = tuple((name if kind == "offsets" else order.index(name), kind) for kind, name in layout)
         self._offset_tables: dict[tuple, torch.Tensor] = {}
-        self.mod_tensors = tuple((name, int(dims), bool(grad)) for name, dims, grad in tensors)
+        self.mod_tensors = tuple((name, int(dims), bool(grad)) for name, dims, grad, _ in tensors)
+        self.mask_reads_tensors = any(mask for _, _, _, mask in tensors)
         self.mod_scalars, self.mod_sizes = tuple(scalars), tuple(sizes)
         args = [*_ARGS, *(Arg(f"m_{name}", grad=grad) for name, _, grad in self.mod_tensors),
                 *(Arg(f"m_{name}", "float") for name in self.mod_scalars),
@@ -64,7 +65,7 @@ class AttentionOp:
         self.perms = {role: tuple(p) for role, p in perms.items()}
         self.weight, self.weight_layout, self.scale_grad = weight, weight_layout, scale_grad
         self._checked = rt.CheckMemo()  # call signature -> axis sizes, checks passed
-        self._ring_plans: dict = {}  # context parallelism's plans of a mask without tensors (ring.py `_plan`)
+        self._ring_plans: dict = {}  # context parallelism's plans of a mask that reads no tensor (ring.py `_plan`)
         self.streamed = KernelOp(f"ncd::{op_id}", spec_name, args, ["o", "z", "m"], save_results=(0, 1, 2),
                                  forward=self._forward, fake=self._fake, backward=self._backward,
                                  backward_fake=self._backward_fake)
@@ -355,7 +356,7 @@ class AttentionOp:
         return ring.RingModifiers(context, tuple(tensors), tuple(query_dims), tuple(key_dims),
                                   tuple(grad for _, _, grad in self.mod_tensors), wanted,
                                   zigzag=self.ns["KERNELS"].mask_hides, key_bound=key_bound, bounds=bounds,
-                                  plans=None if self.mod_tensors else self._ring_plans, constants=constants,
+                                  plans=None if self.mask_reads_tensors else self._ring_plans, constants=constants,
                                   whole_key_dims=tuple(whole_dims))
 
     def _kernel_weight(self, w: torch.Tensor | None, sizes: Mapping[str, int]) -> torch.Tensor | None:
