@@ -36,6 +36,8 @@ def _inputs(name: str, T: int) -> dict:
         x["g"] = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2.0)
     elif name == "retnet":
         x["g"] = F.logsigmoid(torch.randn(H, generator=gen) + 2.0)
+    elif name == "delta_rule":  # no gate; a tensor scale, whose gradient sums over the ranks
+        x["scale"] = torch.tensor(0.7)
     else:
         x["g"] = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2.0)
     if name.startswith("gka") or name.endswith("delta_rule"):
@@ -160,7 +162,8 @@ def _spawn(tmp_path: Path, world: int, cases: list, target=_worker) -> None:
 
 
 # one process group per rank count (spawning and importing cost more than a case)
-CASES = {2: [("simple_gla", [13, 8]), ("retnet", [7, 18]), ("gka", [19, 6]), ("gka_ungated_covariance", [11, 14])],
+CASES = {2: [("simple_gla", [13, 8]), ("retnet", [7, 18]), ("gka", [19, 6]), ("gka_ungated_covariance", [11, 14]),
+             ("delta_rule", [9, 14])],
          4: [("gla", [5, 9, 3, 11]), ("gated_delta_rule", [5, 9, 3, 11])]}
 
 
@@ -168,7 +171,8 @@ CASES = {2: [("simple_gla", [13, 8]), ("retnet", [7, 18]), ("gka", [19, 6]), ("g
 def test_sequence_parallel_equals_the_single_process_op(tmp_path, world):
     """Forward, the final state and every gradient, per rank, against the whole-sequence op: scalar, per-key and
     constant decays, and Gated KalmaNet's two states (its solve reads the full prefix state); the gated delta
-    rule, whose shard maps are K x K matrices (K 16 > V 8: the map's columns in two runs), folded over 3 ranks;
+    rule, whose shard maps are K x K matrices (K 16 > V 8: the map wider than the values), folded over 3 ranks;
+    the delta rule without a gate, with a tensor scale;
     shards uneven and across chunk boundaries (chunk 16)."""
     _spawn(tmp_path, world, CASES[world])
 
