@@ -62,18 +62,19 @@ def context_parallel_attention(op: Any, *args: Any, group: Any = None, **kwargs:
     - A modifier tensor over the query axis (q_doc [batch query]) is sharded as the queries, one over the key axis
       (k_doc [batch key]) as the keys (it travels with them), one over both (bias [head query key]) as the queries
       with every key, the others whole on every rank; the hooks see positions in the whole sequence. A float
-      modifier tensor's gradient on each rank is that rank's queries' share: the ranks' gradients sum to the whole
-      one (as a sink's, and as DDP sums them).
+      modifier tensor's gradient on each rank is that rank's queries' share (the ranks' gradients sum to the whole
+      one, as a sink's, and as DDP sums them), except over the key axis alone: there it is the whole gradient of the
+      rank's keys, from every rank's queries.
 
     Returns the op's output on this rank's queries. Gradients reach every rank's inputs; every rank must run the
     backward (it is a ring too). The shards are checked first, together (one all_gather): a rank whose shard
     disagrees with rank 0's, or fails the op's own checks, raises the same CallError on every rank, naming the rank,
     the tensor and the axis. Sinks, return_lse and a per-key weight's gradient are carried (the latter two on the
     ring only: CallError where the op would run its factorized form), and score and mask modifiers (on the ring; a
-    mask whose rows see only nearby keys, such as a sliding window, by a halo exchange of those keys), except the
-    gradient of a tensor over the key axis alone (CallError). A tensor over both the query and key axes (a [head
-    query key] bias) holds this rank's queries against every key, in sequence order. The scalars that the hooks
-    read must be alike on every rank (checked with the shards)."""
+    mask whose rows see only nearby keys, such as a sliding window, by a halo exchange of those keys); the gradient
+    of a tensor over the key axis alone travels home with the keys' dK/dV. A tensor over both the query and key axes
+    (a [head query key] bias) holds this rank's queries against every key, in sequence order. The scalars that the
+    hooks read must be alike on every rank (checked with the shards)."""
     module = getattr(op, "module", op)
     runtime = getattr(module, "_OP", None)
     if not isinstance(runtime, AttentionOp):
