@@ -123,7 +123,15 @@ def _compare(rank: int, world: int, name: str, shards: list, cache: str) -> None
 
     sharded = {n: (t[:, lo:hi] if isinstance(t, torch.Tensor) and t.dim() > 1 else t) for n, t in full.items()}
     x = _leaves(sharded)
-    o, final = call(lambda **a: sequence_parallel_chunk(op, **a), x)
+    runtime, runs = op.module._OP, []
+    kernel_op = runtime.op
+    runtime.op = lambda *a: runs.append(a[2].shape[-1]) or kernel_op(*a)  # (the values' width of each run)
+    try:
+        o, final = call(lambda **a: sequence_parallel_chunk(op, **a), x)
+    finally:
+        runtime.op = kernel_op
+    if name.endswith("delta_rule"):  # each shard runs once: rank 0 as it is, the others widened by the state map
+        assert runs == [V if rank == 0 else V + K], runs
     last = rank == world - 1
     # the loss of the whole sequence, split over the ranks: the final-state term on the last rank only
     part = loss(o, final, do[:, lo:hi], dfin) if last else (o * do[:, lo:hi]).sum()

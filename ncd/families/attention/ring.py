@@ -144,14 +144,17 @@ class RingModifiers:
         return [(torch.Size(n_k if i == d else size for i, size in enumerate(t.shape)), t.dtype)
                 for t, d in zip(self.tensors, self.key_dims, strict=True) if d is not None]
 
-    def key_grad_shapes(self, n_k: int) -> list[tuple[int, ...]]:
-        """Shapes at key length n_k of the fp32 gradients that travel with a shard: those of the tensors over keys
-        that take one, when the caller wants them."""
+    def key_grads(self) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, key dimension) of those whose fp32 gradients travel with a shard: the tensors over keys that
+        take one, when the caller wants them."""
         if not self.wanted:
             return []
-        return [tuple(n_k if i == d else size for i, size in enumerate(t.shape))
-                for t, d, grad in zip(self.tensors, self.key_dims, self.takes_grad, strict=True)
+        return [(t, d) for t, d, grad in zip(self.tensors, self.key_dims, self.takes_grad, strict=True)
                 if d is not None and grad]
+
+    def key_grad_shapes(self, n_k: int) -> list[tuple[int, ...]]:
+        """Their gradients' shapes at key length n_k."""
+        return [tuple(n_k if i == d else size for i, size in enumerate(t.shape)) for t, d in self.key_grads()]
 
     def call(self, q: torch.Tensor, k: torch.Tensor, rows: slice, keys: slice, shard: list[torch.Tensor],
              place: tuple | None, columns: bool, buffers: list[torch.Tensor] | None = None,
@@ -710,17 +713,9 @@ def halo_backward(ring: Ring, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 dv.extras[piece_index].append((slice(start, stop), g_v[:, :, start - lo:stop - lo]))
         if dw is not None and g_w is not None:
             dw[:, lo:hi] += g_w
-        for mine, got_key, dim in zip(key_grads, g_keys, _key_grad_dims(ring), strict=True):
+        for mine, got_key, (_, dim) in zip(key_grads, g_keys, ring.modifiers.key_grads(), strict=True):
             _cut(mine, dim, slice(lo, hi)).add_(got_key)
     return dq.finish(), dk.finish(), dv.finish(), dw, key_grads
-
-
-def _key_grad_dims(ring: Ring) -> list[int]:
-    """The key dimensions of the modifier tensors whose gradients travel (RingModifiers.key_grad_shapes)."""
-    mods = ring.modifiers
-    if mods is None or not mods.wanted:
-        return []
-    return [d for d, grad in zip(mods.key_dims, mods.takes_grad, strict=True) if d is not None and grad]
 
 
 class RingAttention(torch.autograd.Function):
