@@ -203,8 +203,9 @@ def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: An
     `initial_state` is the sequences' state before their first token and is read on rank 0 only; with
     `output_final_state`, each rank returns the state after its own shard (the last rank's: after the sequences).
     Returns (o [B, T_r, H, V], final state or None) on each rank; gradients reach every rank's inputs, so every
-    rank must run the backward (the delta rules: every rank but the first runs its shard with K more value columns,
-    which carry its state map).
+    rank must run the backward, also where only rank 0's initial state takes a gradient (under grad mode every
+    rank's output is tied to the states' gather). The delta rules: every rank but the first runs its shard with K
+    more value columns, which carry its state map.
     cu_seqlens packing and head-first specs are not supported here. A rank whose
     shard disagrees with rank 0's in any axis but time, or in dtype, raises CallError on every rank."""
     module = getattr(op, "module", op)
@@ -240,14 +241,14 @@ def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: An
             ends = _gka_end_states(runtime, module.HOOKS, given, start)
         else:  # GQA: the op itself, with no Chebyshev steps
             ends = list(run(start, True, num_iter=0)[1])
-        gathered = all_gather(torch.cat([t.float().reshape(-1) for t in (*ends, *decays)]), group=group)
+        gathered = _gather_states(torch.cat([t.float().reshape(-1) for t in (*ends, *decays)]), group)
         incoming = _fold(gathered[:rank], [e.shape for e in ends], [d.shape for d in decays])
         if rank > 0:
             start = tuple(incoming)
         o, final = run(start, want_final)
     else:  # linear in the state: every shard runs at once from zero, then adds what the incoming state gives
         o, end = run(start, True)
-        gathered = all_gather(torch.cat([t.float().reshape(-1) for t in (end, *decays)]), group=group)
+        gathered = _gather_states(torch.cat([t.float().reshape(-1) for t in (end, *decays)]), group)
         final = end
         if rank > 0:
             (incoming_state,) = _fold(gathered[:rank], [end.shape], [d.shape for d in decays])
@@ -275,7 +276,7 @@ def _delta_rule_parallel(runtime: Any, chunk: Any, given: dict, rank: int, world
         o, o_maps, end, maps = runtime.chunk_with_state_map(**{n: given.get(n) for n in ("q", "k", "v", "g", "beta",
                                                                                             "scale", "chunk_size")})
     mine = torch.cat([maps.float().reshape(-1), end.float().reshape(-1)])
-    gathered = all_gather(mine, group=group)
+    gathered = _gather_states(mine, group)
     final = end
     if rank > 0:
         state = None
@@ -289,6 +290,15 @@ def _delta_rule_parallel(runtime: Any, chunk: Any, given: dict, rank: int, world
         final = maps @ state + end
     o = _Tie.apply(o, *gathered)  # every rank's backward reaches the gather, so its all-to-all runs on every rank
     return o, final if want_final else None
+
+
+def _gather_states(mine: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's flat states, differentiably. Under grad mode each rank's part requires a gradient even where
+    none of its inputs does (rank 0's initial state may be the only one that does): every rank's outputs then
+    reach the gather, and so every rank's backward runs its collective."""
+    if torch.is_grad_enabled() and not mine.requires_grad:
+        mine = mine.detach().requires_grad_()
+    return list(all_gather(mine, group=group))
 
 
 def _incoming_output(runtime: Any, given: dict, state: torch.Tensor) -> torch.Tensor:

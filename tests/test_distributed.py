@@ -206,6 +206,40 @@ def _bad_shard_worker(rank: int, world: int, cases: list, init: str, cache: str,
     dist.destroy_process_group()
 
 
+def _initial_state_only_worker(rank: int, world: int, cases: list, init: str, cache: str, errors: str) -> None:
+    from ncd.distributed import sequence_parallel_chunk
+
+    try:
+        os.environ["TRITON_INTERPRET"] = "1"
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        for name, shards in cases:
+            op = _load(name, cache)
+            full = _inputs(name, sum(shards))
+            s0 = full.pop("initial_state").requires_grad_()
+            o_ref, _ = op.module.chunk(**full, initial_state=s0, chunk_size=16)
+            do = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(3))
+            (want,) = torch.autograd.grad(o_ref, s0, do)
+            lo, hi = sum(shards[:rank]), sum(shards[:rank + 1])
+            mine = s0.detach().clone().requires_grad_()
+            o, _ = sequence_parallel_chunk(op, **{n: t[:, lo:hi] for n, t in full.items()}, initial_state=mine,
+                                           chunk_size=16)
+            (o * do[:, lo:hi]).sum().backward()  # rank 1: nothing of its own takes a gradient
+            if rank == 0:
+                assert _rel(mine.grad, want) < 1e-5, (name, _rel(mine.grad, want))
+        dist.destroy_process_group()
+    except BaseException:
+        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def test_an_initial_state_alone_takes_its_gradient_through_every_ranks_backward(tmp_path):
+    """Only rank 0's initial state requires a gradient: the other ranks' outputs still reach the gather, so their
+    backward runs its collective (it raised 'does not require grad' on rank 1, and rank 0 waited)."""
+    _spawn(tmp_path, 2, [("simple_gla", [9, 11]), ("gated_delta_rule", [9, 11])],
+           target=_initial_state_only_worker)
+
+
 def test_a_wrong_shard_fails_on_every_rank_naming_rank_tensor_and_axis(tmp_path):
     _spawn(tmp_path, 2, [("simple_gla", [6, 6])], target=_bad_shard_worker)
 
