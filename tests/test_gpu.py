@@ -64,7 +64,7 @@ def test_attention_forward_and_backward_at_head_dim_128(dtype):
 @pytest.mark.parametrize("stem", ["sliding_window_softmax", "alibi_softmax", "document_softmax", "padded_softmax",
                                   "biased_softmax", "sliding_window_spherical", "sink_softmax", "softmax_plus_one",
                                   "t5_bias_softmax", "mla_style_softmax", "qk_norm_softmax", "kv_cache_softmax",
-                                  "t5_log_bucket_softmax"])
+                                  "t5_log_bucket_softmax", "forgetting_softmax"])
 def test_masks_and_score_modifiers_compile_and_match_float64_on_the_gpu(stem):
     """Issue 32: the mask and score-modifier hooks compiled for the device (TMA and block-skipping paths included;
     the call-time range tables, sinks, gathers, value widths, prologues), forward and every gradient (the modifier
