@@ -754,8 +754,9 @@ class RingAttention(torch.autograd.Function):
         if dlse is not None:  # d lse / d z = 1 / z (z relative to the running max, as the kernels keep it)
             delta_in = torch.where(z != 0, -dlse.float() / torch.where(z != 0, z, 1.0), 0.0)
         mods = ring.modifiers
-        buffers = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-                   for t, grad in zip(mods.tensors, mods.takes_grad, strict=True) if grad] \
+        # (those over keys alone accumulate in the shards' travelling buffers: an empty place here)
+        buffers = [torch.zeros(t.shape if d is None else (0,), dtype=torch.float32, device=t.device)
+                   for t, d, grad in zip(mods.tensors, mods.key_dims, mods.takes_grad, strict=True) if grad] \
             if mods is not None and mods.wanted else None
         weight_grad = w is not None and ctx.needs_input_grad[3]
         if ring.halo is not None:
