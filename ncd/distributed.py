@@ -19,8 +19,14 @@ key row (GLA's per-key gate) or exp(g T_shard) (RetNet's constant decay). So:
   computes F_r with its own chunked op and no Chebyshev steps (the states do not depend on the solve, and its beta
   scalings are the spec's), one all_gather, the fold, then the chunked op on the shard from S_in.
 
-Either way the result is the single-device recurrence's. The delta rules' A is a matrix, not a decay, and is
-refused here.
+- The delta rules: A is a matrix, not a decay, and the outputs are linear in S_in. One run per shard gives both
+  terms: the values widened by K zero columns, the run starting from [0 | I] (rank 0: as it is), then one
+  all_gather of the shards' (A, F) and the fold (`_delta_rule_parallel`).
+
+Either way the result is the single-device recurrence's.
+
+The shard checks gather a record of every rank's shapes on the host, over a gloo group of the same ranks (the
+group itself where it has gloo): an NCCL gather that the host reads would wait for every kernel queued before it.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.nn.functional import all_gather
 
 from ncd.errors import CallError
-from ncd.families.attention.ring import Sharding, zigzag_shard, zigzag_unshard
+from ncd.families.attention.ring import Sharding, gather_into, zigzag_shard, zigzag_unshard
 from ncd.families.attention.runtime import AttentionOp
 from ncd.families.recurrence.runtime import G_FLOOR, GKAOp
 from ncd.families.recurrence.runtime_delta import DeltaRuleOp
@@ -42,6 +48,7 @@ from ncd.families.recurrence.runtime_linear import LinearScanOp
 from ncd.families.recurrence.scales import BetaScales
 from ncd.families.recurrence.states import outer_sum, project
 
+_HOST_GROUPS: dict[tuple[int, ...], Any] = {}  # ranks -> the gloo group that the shard checks' records use
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHAPE_SLOTS = 6  # dims recorded per tensor in the shard check (the recurrences' inputs have at most 4)
 
@@ -141,15 +148,12 @@ def _check_context_shards(runtime: AttentionOp, given: dict, group: Any,
     scalars = [(name, given.get(name)) for name in runtime.mod_scalars]
     for _, value in scalars:  # what a mask or score reads besides positions: alike on every rank
         record += [int(isinstance(value, torch.Tensor)), _bits(value)]
-    device = next(t.device for _, t, _ in tensors if isinstance(t, torch.Tensor))
-    mine = torch.tensor(record, dtype=torch.int64, device=device)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, mine, group=group)
-    table = torch.stack(rows).tolist()
+    host = _host_group(group)
+    table = _gather_records(record, host)
     if any(row[0] for row in table):  # the failing ranks' own messages, to every rank
         messages: list[Any] = [None] * len(table)
         text = problem.message if isinstance(problem, CallError) else str(problem)
-        dist.all_gather_object(messages, text if problem is not None else None, group=group)
+        dist.all_gather_object(messages, text if problem is not None else None, group=host)
         r = next(r for r, row in enumerate(table) if row[0])
         raise CallError(None, detail=f"rank {r}: {messages[r]}") from problem
     causal = runtime.ns["KERNELS"].causal
@@ -425,10 +429,7 @@ def _check_shards(runtime: Any, given: dict, rank: int, world: int, group: Any) 
         dims = list(t.shape)[:_SHAPE_SLOTS]
         code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
         record += [t.dim(), code, *dims, *[-1] * (_SHAPE_SLOTS - len(dims))]
-    mine = torch.tensor(record, dtype=torch.int64, device=given["q"].device)
-    rows = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine, group=group)
-    table = torch.stack(rows).tolist()
+    table = _gather_records(record, _host_group(group))
     width = 2 + _SHAPE_SLOTS
     for r in range(world):
         for i, n in enumerate(names):
@@ -449,6 +450,35 @@ def _check_shards(runtime: Any, given: dict, rank: int, world: int, group: Any) 
                 if got[0] != ref[0] or (axis != 1 and size != want):
                     raise CallError(None, detail=f"rank {r}: {n} has axis '{_axis_name(axes, axis)}' of size "
                                     f"{size}, rank 0's {want} (shards differ in time only)")
+
+
+def _host_group(group: Any) -> Any:
+    """A group of `group`'s ranks that carries CPU tensors: itself where its backend has gloo, else a gloo group
+    made once per set of ranks (only those ranks take part: use_local_synchronization), with `group`'s timeout where
+    torch shows it, so that a rank that never arrives fails the others as the group would."""
+    group = group if group is not None else dist.group.WORLD
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _HOST_GROUPS:
+        timeout = None
+        for device in ("cuda", "cpu"):
+            try:  # (private: the backend's options; absent, torch's default timeout)
+                timeout = group._get_backend(torch.device(device)).options._timeout
+                break
+            except (AttributeError, RuntimeError):
+                continue
+        _HOST_GROUPS[ranks] = dist.new_group(list(ranks), timeout=timeout, backend="gloo",
+                                             use_local_synchronization=True)
+    return _HOST_GROUPS[ranks]
+
+
+def _gather_records(record: list[int], group: Any) -> list[list[int]]:
+    """Every rank's record (int64, one length on every rank), in rank order, gathered on the host over `group`."""
+    mine = torch.tensor(record, dtype=torch.int64)
+    rows = torch.empty(dist.get_world_size(group) * len(record), dtype=torch.int64)
+    gather_into(rows, mine, group=group)
+    return rows.view(-1, len(record)).tolist()
 
 
 def _axis_name(axes: tuple, axis: int) -> str:

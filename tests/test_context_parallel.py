@@ -304,6 +304,24 @@ def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None
             assert runs[0] > 0 and runs[1] == (runs[0] if name == "document_softmax" else 0), (name, runs)
     finally:
         ring.RingModifiers.reach = reach
+    # a group without gloo (NCCL on the GPU) sends the check's records over a gloo group of its ranks, made once:
+    # the check then never reads a device tensor (which would wait for the device's queue)
+    from ncd import distributed
+
+    backend = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"
+    shards = {n: zigzag_shard(t, 2, rank, world) for n, t in whole.items()}
+    try:
+        for _ in range(2):
+            got = context_parallel_attention(window_op, **shards, window=2)
+            assert _rel(got, zigzag_shard(window_op(**whole, window=2), 2, rank, world)) < 1e-5
+        with pytest.raises(CallError, match=r"rank 1: V has dtype torch\.float64; expected"):
+            bad = dict(shards, V=shards["V"].double()) if rank == 1 else shards
+            context_parallel_attention(window_op, **bad, window=2)
+        assert list(distributed._HOST_GROUPS) == [(0, 1)]
+        assert distributed._HOST_GROUPS[(0, 1)] is not dist.group.WORLD
+    finally:
+        dist.get_backend = backend
     dist.destroy_process_group()
 
 

@@ -130,16 +130,25 @@ def _state_program(H, VEC, HQ, GROUP, N_STATES, HEAD_DIM: tl.constexpr, BK: tl.c
 
 
 @triton.jit
+def _total_ptrs(TOT, TOT_VEC, HEAD_DIM: tl.constexpr, col0, offs_r, offs_c):
+    """A scan program's block of its (batch, kv head)'s fp32 total [D, 2D] and vector sums [2D]."""
+    bhk = tl.program_id(2).to(tl.int64)
+    tot_ptrs = TOT + bhk * (2 * HEAD_DIM * HEAD_DIM) + offs_r[:, None] * (2 * HEAD_DIM) + col0 + offs_c[None, :]
+    return tot_ptrs, TOT_VEC + bhk * (2 * HEAD_DIM) + col0 + offs_c
+
+
+@triton.jit
 def _fact_scan_fwd(
-    h_ptrs, h_step, vec_ptrs, vec_step, wsum_ptr, wsum_step, k_base, x_base, w_base,
-    stride_kn, stride_kd, stride_xn, stride_xd, stride_wn, offs_r, offs_c, r_ok, c_ok, N_K, N_STEPS,
+    h_ptrs, h_step, vec_ptrs, vec_step, wsum_ptr, wsum_step, tot_ptrs, tot_vec_ptrs, tot_w_ptr, k_base, x_base,
+    w_base, stride_kn, stride_kd, stride_xn, stride_xd, stride_wn, offs_r, offs_c, r_ok, c_ok, N_K, N_STATES, N_STEPS,
     STORE_VEC, STORE_W,
-    STORE_ALL: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    STORE_ALL: tl.constexpr, STORE_TOTAL: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_VEC: tl.constexpr, E0: tl.constexpr,
 ):
     """h = sum over chunks of K_w[chunk, rows]^T X[chunk, cols]; with STORE_ALL the state before each chunk
-    is stored (state t: keys of chunks < t), else the total once. r_ok, c_ok: which rows and columns exist (the
-    state is the head-dim tile wide; K, X are D wide)."""
+    is stored (state t: keys of chunks < t; the state after the last step too where there is room for it), else
+    the total once. STORE_TOTAL: the total in fp32 as well (tot_*: context parallelism's totals). r_ok, c_ok: which
+    rows and columns exist (the state is the head-dim tile wide; K, X are D wide)."""
     offs_t = tl.arange(0, CHUNK)
     h = tl.zeros([BK, BV], dtype=tl.float32)
     vec = tl.zeros([BV], dtype=tl.float32)
@@ -173,23 +182,33 @@ def _fact_scan_fwd(
         last = N_STEPS
     else:
         last = 0
-    tl.store(h_ptrs + last * h_step, h.to(h_ptrs.dtype.element_ty))
-    if NEED_VEC:
-        if STORE_VEC:
-            tl.store(vec_ptrs + last * vec_step, vec)
-    if E0 != 0.0:
-        if STORE_W:
-            tl.store(wsum_ptr + last * wsum_step, wsum)
+    if last < N_STATES:
+        tl.store(h_ptrs + last * h_step, h.to(h_ptrs.dtype.element_ty))
+        if NEED_VEC:
+            if STORE_VEC:
+                tl.store(vec_ptrs + last * vec_step, vec)
+        if E0 != 0.0:
+            if STORE_W:
+                tl.store(wsum_ptr + last * wsum_step, wsum)
+    if STORE_TOTAL:
+        tl.store(tot_ptrs, h)
+        if NEED_VEC:
+            if STORE_VEC:
+                tl.store(tot_vec_ptrs, vec)
+        if E0 != 0.0:
+            if STORE_W:
+                tl.store(tot_w_ptr, wsum)
 
 
 @triton.jit
 def fact_state_fwd_kernel(
-    K, V, W, H, VEC, WSUM,
+    K, V, W, H, VEC, WSUM, TOT, TOT_VEC, TOT_W,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_wb, stride_wn,
     HKV, N_K, N_STATES, N_STEPS, STEPS_BUCKET, HEADS_BUCKET,
-    HEAD_DIM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, STORE_ALL: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, STORE_ALL: tl.constexpr,
+    STORE_TOTAL: tl.constexpr, PRECISION: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
     SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
@@ -203,6 +222,7 @@ def fact_state_fwd_kernel(
     """One program per (column block of [V | K], row block of D, batch * kv head)."""
     pid_c, pid_r, state, off_b, off_hk, col0, offs_r, offs_c, h_ptrs, vec_ptrs = _state_program(
         H, VEC, HKV, 1, N_STATES, HEAD_DIM, BK, BV)
+    tot_ptrs, tot_vec_ptrs = _total_ptrs(TOT, TOT_VEC, HEAD_DIM, col0, offs_r, offs_c)
     k_base = _head(K, off_b, off_hk, stride_kb, stride_kh)
     w_base = W + off_b.to(tl.int64) * stride_wb
     store_vec = pid_r == 0
@@ -212,17 +232,19 @@ def fact_state_fwd_kernel(
         c_ok = _in_head(col0 + offs_c, HEAD_DIM, D)
         v_base = _head(V, off_b, off_hk, stride_vb, stride_vh) + col0 * stride_vd
         _fact_scan_fwd(
-            h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, WSUM + state, 1, k_base, v_base, w_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_wn, offs_r, offs_c, r_ok, c_ok, N_K, N_STEPS,
-            store_vec, store_w, STORE_ALL, CHUNK, BK, BV, PRECISION, HAS_WEIGHT, NEED_VEC, E0,
+            h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, WSUM + state, 1, tot_ptrs, tot_vec_ptrs,
+            TOT_W + tl.program_id(2), k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_wn,
+            offs_r, offs_c, r_ok, c_ok, N_K, N_STATES, N_STEPS, store_vec, store_w, STORE_ALL, STORE_TOTAL, CHUNK, BK,
+            BV, PRECISION, HAS_WEIGHT, NEED_VEC, E0,
         )
     else:  # key columns: M
         x_base = k_base + (col0 - HEAD_DIM) * stride_kd
         c_ok = _in_head(col0 - HEAD_DIM + offs_c, HEAD_DIM, D)
         _fact_scan_fwd(
-            h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, WSUM + state, 1, k_base, x_base, w_base,
-            stride_kn, stride_kd, stride_kn, stride_kd, stride_wn, offs_r, offs_c, r_ok, c_ok, N_K, N_STEPS,
-            store_vec, False, STORE_ALL, CHUNK, BK, BV, PRECISION, HAS_WEIGHT, NEED_VEC, E0,
+            h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, WSUM + state, 1, tot_ptrs, tot_vec_ptrs,
+            TOT_W + tl.program_id(2), k_base, x_base, w_base, stride_kn, stride_kd, stride_kn, stride_kd, stride_wn,
+            offs_r, offs_c, r_ok, c_ok, N_K, N_STATES, N_STEPS, store_vec, False, STORE_ALL, STORE_TOTAL, CHUNK, BK,
+            BV, PRECISION, HAS_WEIGHT, NEED_VEC, E0,
         )
 
 
@@ -247,8 +269,27 @@ def _fact_query_program(HQ, GROUP, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _state_block(base, inc_base, offsets, HAS_INCOMING: tl.constexpr):
+    """A block of a stored state (its dtype) plus, under context parallelism, the same block of the fp32 totals that
+    the other ranks' segments add to every state of this (batch, kv head): summed in fp32, rounded once."""
+    x = tl.load(base + offsets)
+    if HAS_INCOMING:
+        x = (x.to(tl.float32) + tl.load(inc_base + offsets)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _state_sums(base, inc_base, offsets, HAS_INCOMING: tl.constexpr):
+    """The fp32 vector sums (or weight sum) of a state, plus the incoming totals' (see _state_block)."""
+    x = tl.load(base + offsets)
+    if HAS_INCOMING:
+        x += tl.load(inc_base + offsets)
+    return x
+
+
+@triton.jit
 def fact_fwd_kernel(
-    Q, K, V, W, H, VEC, WSUM, O, Z,
+    Q, K, V, W, H, VEC, WSUM, O, Z, INC_H, INC_VEC, INC_W,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -264,7 +305,7 @@ def fact_fwd_kernel(
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_INCOMING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
@@ -279,25 +320,27 @@ def fact_fwd_kernel(
         t = 0
     state = bhk.to(tl.int64) * N_STATES + t
     h_base = H + state * (2 * HEAD_DIM * HEAD_DIM)
+    inc_h = INC_H + bhk.to(tl.int64) * (2 * HEAD_DIM * HEAD_DIM)
+    inc_vec = INC_VEC + bhk.to(tl.int64) * (2 * HEAD_DIM)
     z = tl.zeros([BLOCK_M], dtype=tl.float32)
     if E2 != 0.0:
-        mm = tl.load(h_base + offs_d[:, None] * (2 * HEAD_DIM) + HEAD_DIM + offs_d[None, :])
+        mm = _state_block(h_base, inc_h, offs_d[:, None] * (2 * HEAD_DIM) + HEAD_DIM + offs_d[None, :], HAS_INCOMING)
         qm = _dot(q, mm, None, PRECISION)
         z += (E2 * scale * scale) * tl.sum(qm * q.to(tl.float32), 1)
     if C1 != 0.0:
-        ss = tl.load(h_base + offs_d[:, None] * (2 * HEAD_DIM) + offs_d[None, :])
+        ss = _state_block(h_base, inc_h, offs_d[:, None] * (2 * HEAD_DIM) + offs_d[None, :], HAS_INCOMING)
         acc = _dot(q, ss, None, PRECISION) * (C1 * scale)
     else:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if NEED_VEC:
         vec_base = VEC + state * (2 * HEAD_DIM)
     if E1 != 0.0:
-        kw = tl.load(vec_base + HEAD_DIM + offs_d)
+        kw = _state_sums(vec_base, inc_vec, HEAD_DIM + offs_d, HAS_INCOMING)
         z += (E1 * scale) * tl.sum(q.to(tl.float32) * kw[None, :], 1)
     if C0 != 0.0:
-        acc += C0 * tl.load(vec_base + offs_d)[None, :]
+        acc += C0 * _state_sums(vec_base, inc_vec, offs_d, HAS_INCOMING)[None, :]
     if E0 != 0.0:
-        z += E0 * tl.load(WSUM + state)
+        z += E0 * _state_sums(WSUM + state, INC_W + bhk, 0, HAS_INCOMING)
     if CAUSAL:
         # the keys of the own chunk up to the diagonal, as scores (unmasked blocks, then masked ones)
         k_base = _head(K, off_b, off_hk, stride_kb, stride_kh)
@@ -322,7 +365,7 @@ def fact_fwd_kernel(
 
 @triton.jit
 def fact_dq_kernel(
-    Q, K, V, W, DO, O, Z, H, VEC, DELTA, DQ,
+    Q, K, V, W, DO, O, Z, H, VEC, DELTA, DQ, INC_H, INC_VEC,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -340,7 +383,7 @@ def fact_dq_kernel(
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_INCOMING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
@@ -365,20 +408,23 @@ def fact_dq_kernel(
         t = 0
     state = bhk.to(tl.int64) * N_STATES + t
     h_base = H + state * (2 * HEAD_DIM * HEAD_DIM)
+    inc_h = INC_H + bhk.to(tl.int64) * (2 * HEAD_DIM * HEAD_DIM)
     if C1 != 0.0:
         g = (do.to(tl.float32) * inv_b[:, None]).to(do.dtype)
-        st = tl.load(h_base + offs_d[None, :] * (2 * HEAD_DIM) + offs_d[:, None])  # S^T
+        st = _state_block(h_base, inc_h, offs_d[None, :] * (2 * HEAD_DIM) + offs_d[:, None], HAS_INCOMING)  # S^T
         dq = _dot(g, st, None, PRECISION)
         if C1 != 1.0:
             dq = dq * C1
     else:
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if E2 != 0.0:
-        mm = tl.load(h_base + offs_d[:, None] * (2 * HEAD_DIM) + HEAD_DIM + offs_d[None, :])
+        mm = _state_block(h_base, inc_h, offs_d[:, None] * (2 * HEAD_DIM) + HEAD_DIM + offs_d[None, :], HAS_INCOMING)
         q_delta = (q.to(tl.float32) * (((-2.0 * E2) * scale) * delta)[:, None]).to(q.dtype)
         dq = _dot(q_delta, mm, dq, PRECISION)
     if E1 != 0.0:
-        dq -= E1 * delta[:, None] * tl.load(VEC + state * (2 * HEAD_DIM) + HEAD_DIM + offs_d)[None, :]
+        kw = _state_sums(VEC + state * (2 * HEAD_DIM), INC_VEC + bhk.to(tl.int64) * (2 * HEAD_DIM), HEAD_DIM + offs_d,
+                         HAS_INCOMING)
+        dq -= E1 * delta[:, None] * kw[None, :]
     if CAUSAL:
         k_base = _head(K, off_b, off_hk, stride_kb, stride_kh)
         v_base = _head(V, off_b, off_hk, stride_vb, stride_vh)
@@ -401,14 +447,15 @@ def fact_dq_kernel(
 
 @triton.jit
 def _fact_scan_bwd(
-    h_ptrs, h_step, vec_ptrs, vec_step, Q, DO, Z, DELTA, off_b, off_hk, cols,
+    h_ptrs, h_step, vec_ptrs, vec_step, tot_ptrs, tot_vec_ptrs, Q, DO, Z, DELTA, off_b, off_hk, cols,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
     offs_r, r_ok, c_ok, HQ, GROUP, N_Q, N_STATES, N_STEPS, STORE_VEC,
-    IS_G: tl.constexpr, STORE_ALL: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr, B: tl.constexpr, NEED_VEC: tl.constexpr,
+    IS_G: tl.constexpr, STORE_ALL: tl.constexpr, STORE_TOTAL: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, PRECISION: tl.constexpr, B: tl.constexpr, NEED_VEC: tl.constexpr,
 ):
     """Reverse scan over query chunks; with STORE_ALL, state t (for the keys of chunk t) holds the queries of
-    chunks > t and is stored for t < N_STATES, else the total is stored once."""
+    chunks > t and is stored for t < N_STATES, else the total is stored once. STORE_TOTAL: the total over all the
+    queries in fp32 as well (tot_*: context parallelism's totals)."""
     offs_t = tl.arange(0, CHUNK)
     h = tl.zeros([BK, BV], dtype=tl.float32)
     vec = tl.zeros([BV], dtype=tl.float32)
@@ -443,15 +490,21 @@ def _fact_scan_bwd(
         if NEED_VEC:
             if STORE_VEC:
                 tl.store(vec_ptrs, vec)
+    if STORE_TOTAL:
+        tl.store(tot_ptrs, h)
+        if NEED_VEC:
+            if STORE_VEC:
+                tl.store(tot_vec_ptrs, vec)
 
 
 @triton.jit
 def fact_state_bwd_kernel(
-    Q, DO, Z, DELTA, H, VEC,
+    Q, DO, Z, DELTA, H, VEC, TOT, TOT_VEC,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     HQ, GROUP, N_Q, N_STATES, N_STEPS, STEPS_BUCKET, HEADS_BUCKET,
-    HEAD_DIM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, STORE_ALL: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, STORE_ALL: tl.constexpr,
+    STORE_TOTAL: tl.constexpr, PRECISION: tl.constexpr,
     A1: tl.constexpr, A2: tl.constexpr, DA1: tl.constexpr, DA2: tl.constexpr, B: tl.constexpr,
     DB_OVER_B: tl.constexpr, PRE: tl.constexpr, DPRE: tl.constexpr,
     SCORE: tl.constexpr, DSCORE: tl.constexpr, SCORE_GRADS: tl.constexpr, MASK: tl.constexpr,
@@ -465,24 +518,24 @@ def fact_state_bwd_kernel(
     """One program per (column block of [G | delta Q], row block of D, batch * kv head)."""
     _, pid_r, _, off_b, off_hk, col0, offs_r, offs_c, h_ptrs, vec_ptrs = _state_program(
         H, VEC, HQ, GROUP, N_STATES, HEAD_DIM, BK, BV)
+    tot_ptrs, tot_vec_ptrs = _total_ptrs(TOT, TOT_VEC, HEAD_DIM, col0, offs_r, offs_c)
     store_vec = pid_r == 0
     r_ok = _in_head(offs_r, HEAD_DIM, D)
     if col0 < HEAD_DIM:  # G = dO / b(z) columns: A
         c_ok = _in_head(col0 + offs_c, HEAD_DIM, D)
         _fact_scan_bwd(
-            h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, Q, DO, Z, DELTA, off_b, off_hk, col0 + offs_c,
-            stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-            offs_r, r_ok, c_ok, HQ, GROUP, N_Q, N_STATES, N_STEPS, store_vec, True, STORE_ALL, CHUNK, BK, BV, PRECISION,
-            B, NEED_VEC,
+            h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, tot_ptrs, tot_vec_ptrs, Q, DO, Z, DELTA, off_b,
+            off_hk, col0 + offs_c, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
+            stride_dod, offs_r, r_ok, c_ok, HQ, GROUP, N_Q, N_STATES, N_STEPS, store_vec, True, STORE_ALL, STORE_TOTAL,
+            CHUNK, BK, BV, PRECISION, B, NEED_VEC,
         )
     else:  # delta * Q columns: B
         c_ok = _in_head(col0 - HEAD_DIM + offs_c, HEAD_DIM, D)
         _fact_scan_bwd(
-            h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, Q, DO, Z, DELTA, off_b, off_hk,
-            col0 - HEAD_DIM + offs_c,
-            stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-            offs_r, r_ok, c_ok, HQ, GROUP, N_Q, N_STATES, N_STEPS,
-            store_vec, False, STORE_ALL, CHUNK, BK, BV, PRECISION, B, NEED_VEC,
+            h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, tot_ptrs, tot_vec_ptrs, Q, DO, Z, DELTA, off_b,
+            off_hk, col0 - HEAD_DIM + offs_c, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh,
+            stride_dom, stride_dod, offs_r, r_ok, c_ok, HQ, GROUP, N_Q, N_STATES, N_STEPS,
+            store_vec, False, STORE_ALL, STORE_TOTAL, CHUNK, BK, BV, PRECISION, B, NEED_VEC,
         )
 
 
@@ -493,7 +546,7 @@ def fact_state_bwd_kernel(
 
 @triton.jit
 def fact_dkdv_kernel(
-    Q, K, V, W, DO, Z, DELTA, HB, VECB, DK, DV,
+    Q, K, V, W, DO, Z, DELTA, HB, VECB, DK, DV, INC_H, INC_VEC,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -511,7 +564,7 @@ def fact_dkdv_kernel(
     SAME_A: tl.constexpr, HAS_PRE: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_SCORE_GRADS: tl.constexpr, FOLD: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, NEED_VEC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_INCOMING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     S: tl.constexpr = Spec(A1, A2, DA1, DA2, B, DB_OVER_B, PRE, DPRE, SCORE, DSCORE, SCORE_GRADS, MASK,
                            KEY_RANGE, QUERY_RANGE, CAUSAL, HAS_WEIGHT, ONLINE_MAX, EXP2, SAME_A, HAS_PRE,
@@ -530,18 +583,21 @@ def fact_dkdv_kernel(
     # is rounded again), then the own chunk's scores accumulate into them
     state = bhk.to(tl.int64) * N_STATES + t
     h_base = HB + state * (2 * HEAD_DIM * HEAD_DIM)
+    inc_h = INC_H + bhk.to(tl.int64) * (2 * HEAD_DIM * HEAD_DIM)
+    inc_vec = INC_VEC + bhk.to(tl.int64) * (2 * HEAD_DIM)
     if C1 != 0.0:
-        a = tl.load(h_base + offs_d[:, None] * (2 * HEAD_DIM) + offs_d[None, :])  # A
+        a = _state_block(h_base, inc_h, offs_d[:, None] * (2 * HEAD_DIM) + offs_d[None, :], HAS_INCOMING)  # A
         dv = _dot(k, a, None, PRECISION) * (C1 * scale)
     else:
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     if E2 != 0.0:
-        bm = tl.load(h_base + offs_d[:, None] * (2 * HEAD_DIM) + HEAD_DIM + offs_d[None, :])  # B
+        bm = _state_block(h_base, inc_h, offs_d[:, None] * (2 * HEAD_DIM) + HEAD_DIM + offs_d[None, :],
+                          HAS_INCOMING)  # B
         dk = _dot(k, bm, None, PRECISION) * ((-2.0 * E2) * scale)
     else:
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     if C1 != 0.0:
-        at = tl.load(h_base + offs_d[None, :] * (2 * HEAD_DIM) + offs_d[:, None])  # A^T
+        at = _state_block(h_base, inc_h, offs_d[None, :] * (2 * HEAD_DIM) + offs_d[:, None], HAS_INCOMING)  # A^T
         if C1 == 1.0:
             dk = _dot(v, at, dk, PRECISION)
         else:
@@ -549,9 +605,9 @@ def fact_dkdv_kernel(
     if NEED_VEC:
         vec_base = VECB + state * (2 * HEAD_DIM)
     if E1 != 0.0:
-        dk -= E1 * tl.load(vec_base + HEAD_DIM + offs_d)[None, :]
+        dk -= E1 * _state_sums(vec_base, inc_vec, HEAD_DIM + offs_d, HAS_INCOMING)[None, :]
     if C0 != 0.0:
-        dv += C0 * tl.load(vec_base + offs_d)[None, :]
+        dv += C0 * _state_sums(vec_base, inc_vec, offs_d, HAS_INCOMING)[None, :]
     if HAS_WEIGHT:
         dk = dk * w[:, None]
         dv = dv * w[:, None]
@@ -580,12 +636,10 @@ def fact_dkdv_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def add_states(states: tuple, incoming: tuple) -> None:
-    """Add the incoming totals (fp32, one per batch * kv head) to every state of each of `states` in place (h in
-    its own dtype: rounded once)."""
-    for state, extra in zip(states, incoming, strict=True):
-        if state is not None and extra is not None:
-            state.add_(extra.unsqueeze(1))  # (one pass: the sum in fp32, rounded to the state's dtype)
+def _incoming(incoming: tuple | None, stand_in: torch.Tensor, count: int) -> tuple:
+    """The kernels' INC_* pointers: the first `count` of incoming's tensors, stand_in for any absent (not read)."""
+    given = (None,) * count if incoming is None else incoming[:count]
+    return tuple(stand_in if t is None else t for t in given)
 
 
 def _same_widths(head_dim: int, v: torch.Tensor) -> None:
@@ -624,16 +678,24 @@ class FactorizedAttentionKernels(AttentionKernels):
         n_bwd = triton.cdiv(n_k, chunk)  # state t: queries of chunks > t, for each key chunk
         return n_fwd, n_fwd - 1, n_bwd, max(triton.cdiv(n_q, chunk), n_bwd)
 
+    def _totals(self, rows: int, tile: int, with_wsum: bool, device: torch.device) -> tuple:
+        """(h, vec, wsum) of fp32 totals, one per batch * kv head (None where the coefficients need none)."""
+        return (self.new((rows, tile, 2 * tile), torch.float32, device),
+                self.new((rows, 2 * tile), torch.float32, device) if self.need_vec else None,
+                self.new((rows,), torch.float32, device) if with_wsum and self.has_wsum else None)
+
     def key_states(self, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_states: int, n_steps: int,
-                   store_all: bool, dtype: torch.dtype) -> tuple:
+                   store_all: bool, dtype: torch.dtype, totals: bool = False) -> tuple:
         """(h, vec, wsum) of the keys: [B * Hkv, n_states, tile, 2 tile] in dtype, the vector sums and weight sums
         fp32 (None where the coefficients need none); store_all: the state before each chunk (causal), else the
-        total over all keys once."""
+        total over all keys once. totals: ((h, vec, wsum), their totals over all n_steps chunks in fp32: [B * Hkv,
+        tile, 2 tile], ...), what context parallelism sends."""
         batch, hkv, n_k, head_dim = k.shape
         tile = head_tile(head_dim)  # the states are tile x 2 tile: the columns past head_dim stay zero
         h = self.new((batch * hkv, n_states, tile, 2 * tile), dtype, k.device)
         vec = self.new((batch * hkv, n_states, 2 * tile), torch.float32, k.device) if self.need_vec else None
         wsum = self.new((batch * hkv, n_states), torch.float32, k.device) if self.has_wsum else None
+        tot = self._totals(batch * hkv, tile, True, k.device) if totals else (None, None, None)
         w_arg, w_strides = weight_arg(w, k)
 
         def grid_state(meta: dict) -> tuple:
@@ -641,12 +703,13 @@ class FactorizedAttentionKernels(AttentionKernels):
 
         # (h stands in for the vector sums and the weight sums where the coefficients need none)
         fast(self.fact_state_fwd_kernel)[grid_state](
-            k, v, w_arg, h, h if vec is None else vec, h if wsum is None else wsum, *k.stride(), *v.stride(),
-            *w_strides, hkv, n_k, n_states, n_steps, bucket(n_steps), bucket(batch * hkv),
-            HEAD_DIM=tile, D=head_dim, CHUNK=self.chunk, STORE_ALL=store_all, PRECISION=self.precision(k.dtype),
-            **self.fact_spec,
+            k, v, w_arg, h, h if vec is None else vec, h if wsum is None else wsum,
+            *(h if t is None else t for t in tot),
+            *k.stride(), *v.stride(), *w_strides, hkv, n_k, n_states, n_steps, bucket(n_steps), bucket(batch * hkv),
+            HEAD_DIM=tile, D=head_dim, CHUNK=self.chunk, STORE_ALL=store_all, STORE_TOTAL=totals,
+            PRECISION=self.precision(k.dtype), **self.fact_spec,
         )
-        return h, vec, wsum
+        return ((h, vec, wsum), tot) if totals else (h, vec, wsum)
 
     def forward_factorized(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None = None,
                            scale: float | None = None) -> tuple:
@@ -666,9 +729,10 @@ class FactorizedAttentionKernels(AttentionKernels):
 
     def factorized_output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None,
                           scale: float, h: torch.Tensor, vec: torch.Tensor | None, wsum: torch.Tensor | None,
-                          out: torch.Tensor | None = None) -> tuple:
-        """(o, z) from the keys' states (`key_states`: query chunk t reads state t; states past the last chunk's,
-        such as a stored total, are not read). out: o's storage (any strides), else a new tensor."""
+                          out: torch.Tensor | None = None, incoming: tuple | None = None) -> tuple:
+        """(o, z) from the keys' states (`key_states`: query chunk t reads state t). out: o's storage (any
+        strides), else a new tensor. incoming: fp32 (h, vec, wsum) per batch * kv head that every state is raised by
+        as the kernel reads it (context parallelism: the other ranks' segments before these)."""
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         w_arg, w_strides = weight_arg(w, q)
         o = self.new((batch, hq, n_q, head_dim), q.dtype, q.device) if out is None else out
@@ -678,11 +742,11 @@ class FactorizedAttentionKernels(AttentionKernels):
             return (triton.cdiv(n_q, meta["BLOCK_M"]), batch * hq)
 
         fast(self.fact_fwd_kernel)[grid](
-            q, k, v, w_arg, h, h if vec is None else vec, h if wsum is None else wsum, o, z,
+            q, k, v, w_arg, h, h if vec is None else vec, h if wsum is None else wsum, o, z, *_incoming(incoming, h, 3),
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *w_strides,
             scale, hq, hq // hkv, n_q, n_k, h.shape[1], bucket(n_q), bucket(n_k), bucket(batch * hq),
             HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), CHUNK=self.chunk,
-            UNIT_SCALE=scale == 1.0, **self.fact_spec,
+            UNIT_SCALE=scale == 1.0, HAS_INCOMING=incoming is not None, **self.fact_spec,
         )
         return o, z
 
@@ -698,15 +762,15 @@ class FactorizedAttentionKernels(AttentionKernels):
 
     def factorized_dq(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       stats: tuple, w: torch.Tensor | None = None, scale: float | None = None,
-                      out: torch.Tensor | None = None) -> tuple:
+                      out: torch.Tensor | None = None, incoming: tuple | None = None) -> tuple:
         """(dq, delta): the first half of backward_factorized (delta: fp32 [B, Hq, N_Q], what the rest reads).
-        out: dq's storage, else a new tensor."""
+        out: dq's storage, else a new tensor. incoming: as factorized_output's."""
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         _same_widths(head_dim, v)
         scale = head_dim**-0.5 if scale is None else float(scale)
         z, h, vec = stats
         n_states = self.states(n_q, n_k, self.chunk)[0]
-        if h.shape[1] not in (n_states, n_states + self.causal):  # (+ 1: a stored total, context parallelism)
+        if h.shape[1] != n_states:
             raise ValueError(f"stats were computed with another CHUNK ({h.shape[1]} states, {n_states} expected)")
         w_arg, w_strides = weight_arg(w, q)
         if do.dtype != q.dtype:
@@ -719,47 +783,43 @@ class FactorizedAttentionKernels(AttentionKernels):
 
         fast(self.fact_dq_kernel)[grid_q](
             q, k, v, w_arg, do, o, z, h, h if vec is None or not self.need_vec else vec, delta, dq,
+            *_incoming(incoming, h, 2),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *o.stride(), *dq.stride(), *w_strides,
             scale, hq, hq // hkv, n_q, n_k, h.shape[1], bucket(n_q), bucket(n_k), bucket(batch * hq),
             HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), CHUNK=self.chunk,
-            **self.fact_spec,
+            HAS_INCOMING=incoming is not None, **self.fact_spec,
         )
         return dq, delta
 
     def query_states(self, q: torch.Tensor, do: torch.Tensor, z: torch.Tensor, delta: torch.Tensor, hkv: int,
-                     n_states: int, n_steps: int, store_all: bool, dtype: torch.dtype) -> tuple:
+                     n_states: int, n_steps: int, store_all: bool, dtype: torch.dtype, totals: bool = False) -> tuple:
         """(hb [B * Hkv, n_states, tile, 2 tile] in dtype, vecb fp32 or None) of the queries, summed over the query
         heads of each of the hkv kv heads (the backward's reverse scan; store_all: the state after each chunk,
-        causal; else the total once)."""
+        causal; else the total once). totals: ((hb, vecb), their fp32 totals over all the queries), as key_states."""
         batch, hq, n_q, head_dim = q.shape
         tile = head_tile(head_dim)
         if do.dtype != q.dtype:
             do = do.to(q.dtype)
         hb = self.new((batch * hkv, n_states, tile, 2 * tile), dtype, q.device)
         vecb = self.new((batch * hkv, n_states, 2 * tile), torch.float32, q.device) if self.need_vec else None
+        tot = self._totals(batch * hkv, tile, False, q.device)[:2] if totals else (None, None)
 
         def grid_state(meta: dict) -> tuple:
             return (2 * tile // meta["BV"], tile // meta["BK"], batch * hkv)
 
         fast(self.fact_state_bwd_kernel)[grid_state](
-            q, do, z, delta, hb, hb if vecb is None else vecb, *q.stride(), *do.stride(),
-            hq, hq // hkv, n_q, n_states, n_steps, bucket(n_steps), bucket(batch * hkv),
-            HEAD_DIM=tile, D=head_dim, CHUNK=self.chunk, STORE_ALL=store_all, PRECISION=self.precision(q.dtype),
-            **self.fact_spec,
+            q, do, z, delta, hb, hb if vecb is None else vecb, *(hb if t is None else t for t in tot), *q.stride(),
+            *do.stride(), hq, hq // hkv, n_q, n_states, n_steps, bucket(n_steps), bucket(batch * hkv),
+            HEAD_DIM=tile, D=head_dim, CHUNK=self.chunk, STORE_ALL=store_all, STORE_TOTAL=totals,
+            PRECISION=self.precision(q.dtype), **self.fact_spec,
         )
-        return hb, vecb
-
-    def query_total(self, q: torch.Tensor, do: torch.Tensor, z: torch.Tensor, delta: torch.Tensor, hkv: int) -> tuple:
-        """(hb, vecb) over all of these queries, fp32, one state: what a shard adds to the keys before it."""
-        hb, vecb = self.query_states(q, do, z, delta, hkv, 1, triton.cdiv(q.shape[2], self.chunk), False,
-                                     torch.float32)
-        return hb[:, 0], None if vecb is None else vecb[:, 0]
+        return ((hb, vecb), tot) if totals else (hb, vecb)
 
     def factorized_dkdv(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor,
                         delta: torch.Tensor, hb: torch.Tensor, vecb: torch.Tensor | None, w: torch.Tensor | None = None,
-                        scale: float | None = None, out: tuple | None = None) -> tuple:
-        """(dk, dv) from the queries' states (query_states, plus any incoming): the rest of backward_factorized.
-        out: (dk, dv)'s storage, else new tensors."""
+                        scale: float | None = None, out: tuple | None = None, incoming: tuple | None = None) -> tuple:
+        """(dk, dv) from the queries' states (query_states): the rest of backward_factorized. out: (dk, dv)'s
+        storage, else new tensors. incoming: fp32 (hb, vecb) that every state is raised by (factorized_output's)."""
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         scale = head_dim**-0.5 if scale is None else float(scale)
         w_arg, w_strides = weight_arg(w, q)
@@ -774,11 +834,11 @@ class FactorizedAttentionKernels(AttentionKernels):
             return (triton.cdiv(n_k, meta["BLOCK_N"]), batch * hkv)
 
         fast(self.fact_dkdv_kernel)[grid_k](
-            q, k, v, w_arg, do, z, delta, hb, hb if vecb is None else vecb, dk, dv,
+            q, k, v, w_arg, do, z, delta, hb, hb if vecb is None else vecb, dk, dv, *_incoming(incoming, hb, 2),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *w_strides,
             scale, hq, hkv, hq // hkv, n_q, n_k, hb.shape[1], bucket(n_q), bucket(n_k), bucket(batch * hq),
             HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), CHUNK=self.chunk,
-            **self.fact_spec,
+            HAS_INCOMING=incoming is not None, **self.fact_spec,
         )
         return dk, dv
 

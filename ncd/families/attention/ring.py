@@ -43,7 +43,6 @@ import triton.language as tl
 from ncd.errors import CallError
 from ncd.families.attention import kernel_sink
 from ncd.families.attention.kernel import AttentionKernels, _head, _load_rows, _row_program, _store_rows, head_tile
-from ncd.families.attention.kernel_chunked import add_states
 
 BLOCK_ROWS = 32
 _ALIGN = 16  # bytes: every tensor of a packed shard starts aligned for the kernels' loads and bulk copies
@@ -788,6 +787,10 @@ class RingAttention(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
+# torch 2.13 renamed all_gather_into_tensor (the old name warns there)
+gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @dataclass(frozen=True)
 class Segments:
     """The factorized form's context parallelism (kernel_chunked.py): its a1, a2 are polynomials of the score, so a
@@ -796,7 +799,8 @@ class Segments:
     among all ranks' pieces: the whole shard at place `rank`, or causal, the zigzag's two chunks at places r and
     2P - 1 - r. The segments run as one batch (2B rows: `split`), each from its own states raised by the totals of
     the segments before it (the backward's: after it; without a mask: every other segment), gathered once each
-    way. The causal scan stores one state more, the segment's total, so that no second pass over the keys runs."""
+    way. The scans store each segment's total in fp32 as well, and the kernels that read the states add the
+    incoming sums as they load them: no pass over the states, no second pass over the keys."""
 
     kernels: Any  # FactorizedAttentionKernels
     scale: float
@@ -840,23 +844,27 @@ class Segments:
 
     def exchange(self, totals: tuple, hkv: int, before: bool) -> tuple:
         """The incoming sums for this rank's segments from every rank's segment totals: one all_gather, fp32.
-        totals: [S B Hkv, ...] in split's row order, any of them None (the coefficients need no such sum)."""
+        totals: fp32 [S B Hkv, ...] in split's row order, any of them None (the coefficients need no such sum)."""
         present = [t for t in totals if t is not None]
         segments = len(self.places)
-        flat = torch.cat([t.float().reshape(-1) for t in present])
-        rows = [torch.empty_like(flat) for _ in range(self.world)]
-        dist.all_gather(rows, flat, group=self.group)
-        sums = [torch.zeros((t.shape[0] // (segments * hkv), segments, hkv * t[0].numel()), device=t.device)
-                for t in present]  # [B, S, Hkv * state]
-        for rank, row in enumerate(rows):
-            for total, theirs in zip(sums, row.split([t.numel() for t in present]), strict=True):
-                theirs = theirs.reshape(total.shape)
-                for s, place in enumerate(self.places):
-                    for o, other in enumerate(self.places_of(rank)):
-                        if (other < place if before else other > place) if self.kernels.causal else other != place:
-                            total[:, s] += theirs[:, o]
+        flat = torch.cat([t.reshape(-1) for t in present])
+        rows = flat.new_empty(self.world * flat.numel())
+        gather_into(rows, flat, group=self.group)
+        rows = rows.view(self.world, -1)
+        # which (rank, segment) totals reach each of this rank's segments, as a 0/1 mask [S, P * S]
+        causal = self.kernels.causal
+        wanted = [[(other < place if before else other > place) if causal else other != place
+                   for rank in range(self.world) for other in self.places_of(rank)] for place in self.places]
+        mask = torch.tensor(wanted, dtype=torch.float32).to(flat.device, non_blocking=True)
+        sums, at = [], 0
+        for t in present:
+            batch = t.shape[0] // (segments * hkv)
+            theirs = rows[:, at:at + t.numel()].reshape(self.world, batch, segments, -1)
+            theirs = theirs.permute(1, 0, 2, 3).reshape(batch, 1, self.world * segments, -1)  # [B, 1, P * S, X]
+            sums.append((theirs * mask[None, :, :, None]).sum(2).reshape(t.shape))  # (exact: fp32 adds of 0s, 1s)
+            at += t.numel()
         it = iter(sums)
-        return tuple(None if t is None else next(it).reshape(t.shape) for t in totals)
+        return tuple(None if t is None else next(it) for t in totals)
 
 
 class FactorizedContextParallel(torch.autograd.Function):
@@ -869,18 +877,14 @@ class FactorizedContextParallel(torch.autograd.Function):
         q2, k2, v2 = plan.split(q), plan.split(k), plan.split(v)  # (views at B = 1)
         w2 = None if w is None else plan.split(w)
         steps = triton.cdiv(k2.shape[2], kernels.chunk)
-        if kernels.causal:  # the state before each chunk, and after the last: the total
-            h, vec, wsum = kernels.key_states(k2, v2, w2, steps + 1, steps, True, q.dtype)
-            last = -1
-        else:
-            h, vec, wsum = kernels.key_states(k2, v2, w2, 1, steps, False, q.dtype)
-            last = 0
-        totals = tuple(None if t is None else t[:, last] for t in (h, vec, wsum))
-        add_states((h, vec, wsum), plan.exchange(totals, k.shape[1], before=True))
+        causal = kernels.causal  # (the state before each chunk; else the total alone)
+        (h, vec, wsum), totals = kernels.key_states(k2, v2, w2, steps if causal else 1, steps, causal, q.dtype,
+                                                    totals=True)
+        incoming = plan.exchange(totals, k.shape[1], before=True)
         o, o_out = plan.result(q)
-        o2, z2 = kernels.factorized_output(q2, k2, v2, w2, plan.scale, h, vec, wsum, out=o_out)
+        o2, z2 = kernels.factorized_output(q2, k2, v2, w2, plan.scale, h, vec, wsum, out=o_out, incoming=incoming)
         o = plan.join(o2) if o is None else o
-        ctx.save_for_backward(q, k, v, w, o, z2, h, vec)
+        ctx.save_for_backward(q, k, v, w, o, z2, h, vec, *incoming[:2])
         ctx.plan = plan
         return o
 
@@ -888,20 +892,21 @@ class FactorizedContextParallel(torch.autograd.Function):
     def backward(ctx: Any, do: torch.Tensor) -> tuple:  # type: ignore[override]
         plan: Segments = ctx.plan
         kernels = plan.kernels
-        q, k, v, w, o, z2, h, vec = ctx.saved_tensors
+        q, k, v, w, o, z2, h, vec, h_in, vec_in = ctx.saved_tensors
         q2, k2, v2, o2, do2 = (plan.split(x) for x in (q, k, v, o, do))
         w2 = None if w is None else plan.split(w)
         hkv = k2.shape[1]
         dq, dq_out = plan.result(q)
         dk, dk_out = plan.result(k)
         dv, dv_out = plan.result(v)
-        dq2, delta = kernels.factorized_dq(do2, q2, k2, v2, o2, (z2, h, vec), w2, plan.scale, out=dq_out)
-        totals = kernels.query_total(q2, do2, z2, delta, hkv)
+        dq2, delta = kernels.factorized_dq(do2, q2, k2, v2, o2, (z2, h, vec), w2, plan.scale, out=dq_out,
+                                           incoming=(h_in, vec_in))
         n_states, n_steps = kernels.states(q2.shape[2], k2.shape[2], kernels.chunk)[2:]
-        hb, vecb = kernels.query_states(q2, do2, z2, delta, hkv, n_states, n_steps, kernels.causal, q2.dtype)
-        add_states((hb, vecb), plan.exchange(totals, hkv, before=False))
+        (hb, vecb), totals = kernels.query_states(q2, do2, z2, delta, hkv, n_states, n_steps, kernels.causal,
+                                                  q2.dtype, totals=True)
         dk2, dv2 = kernels.factorized_dkdv(do2, q2, k2, v2, z2, delta, hb, vecb, w2, plan.scale,
-                                           out=None if dk_out is None else (dk_out, dv_out))
+                                           out=None if dk_out is None else (dk_out, dv_out),
+                                           incoming=plan.exchange(totals, hkv, before=False))
         return (plan.join(dq2) if dq is None else dq, plan.join(dk2) if dk is None else dk,
                 plan.join(dv2) if dv is None else dv, None, None)
 
