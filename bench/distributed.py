@@ -13,6 +13,7 @@ import argparse
 import datetime
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -103,19 +104,23 @@ def step(fn, x: dict, do: torch.Tensor) -> tuple:
     return o, {n: t.grad for n, t in leaves.items()}
 
 
-def timed(fn, reps: int) -> float:
-    times = []
+def timed(fn, reps: int) -> tuple[float, float]:
+    """(median ms on the GPU, median ms the host took to queue the step: a step whose host time reaches its GPU
+    time is host-bound)."""
+    times, host = [], []
     for _ in range(reps):
         dist.barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        began = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - began) * 1e3)
         end.record()
         torch.cuda.synchronize()
         dist.barrier()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(host)
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -191,9 +196,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         o, grads = step(parallel, mine, do_mine)
         errors = {"o": rel(o, cut(o_ref)), **{f"d{n}": rel(grads[n], cut(g_ref[n])) for n in grads}}
         ok = max(errors.values()) < 2e-2  # bf16 outputs and gradients; the states are fp32 on both paths
-        one = timed(lambda: step(single, full, do), args.reps)  # noqa: B023
-        many = timed(lambda: step(parallel, mine, do_mine), args.reps)  # noqa: B023
-        other = timed(lambda: step(streamed, full, do), args.reps) if streamed is not None else 0.0  # noqa: B023
+        one, one_host = timed(lambda: step(single, full, do), args.reps)  # noqa: B023
+        many, many_host = timed(lambda: step(parallel, mine, do_mine), args.reps)  # noqa: B023
+        other = timed(lambda: step(streamed, full, do), args.reps)[0] if streamed is not None else 0.0  # noqa: B023
         exposed = span = 0.0
         if args.profile:
             exposed, span = exposed_communication(lambda: step(parallel, mine, do_mine))  # noqa: B023
@@ -204,7 +209,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                 if rank == turn:
                     print(listing, flush=True)
                 dist.barrier()
-        report = torch.tensor([one, many, float(ok), other, exposed, span, max(errors.values())], device=device)
+        report = torch.tensor([one, many, float(ok), other, exposed, span, max(errors.values()), one_host, many_host],
+                              device=device)
         rows = [torch.empty_like(report) for _ in range(world)]
         dist.all_gather(rows, report)
         if rank == 0:
@@ -215,6 +221,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                   + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
                   + "; largest per rank: " + ", ".join(f"{r[6].item():.1e}" for r in rows)
                   + f"; check {'OK' if all(r[2].item() for r in rows) else 'FAILED'}", flush=True)
+            print("  host time to queue a step (median): one GPU " + ", ".join(f"{r[7].item():.2f}" for r in rows)
+                  + " ms; parallel " + ", ".join(f"{r[8].item():.2f}" for r in rows) + " ms (per rank)", flush=True)
             if streamed is not None:
                 other = statistics.median([r[3].item() for r in rows])
                 print(f"  one GPU in the streamed form the ring runs: {other:.2f} ms -> {other / max(manys):.2f}x",
