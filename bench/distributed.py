@@ -92,6 +92,21 @@ def top_kernels(fn, count: int = 10) -> str:
     return "\n".join(f"    {ms:8.3f} ms {n:4d}x {name}" for name, (ms, n) in rows)
 
 
+def host_profile(fn, steps: int = 5) -> None:
+    """cProfile of `steps` calls of fn on the host: the functions with the most own time, and the most in all."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler).sort_stats(order).print_stats(22)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm())
@@ -202,6 +217,11 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         exposed = span = 0.0
         if args.profile:
             exposed, span = exposed_communication(lambda: step(parallel, mine, do_mine))  # noqa: B023
+        if args.host_profile and rank == 0:  # (every rank runs the steps: their collectives)
+            host_profile(lambda: step(parallel, mine, do_mine))  # noqa: B023
+        elif args.host_profile:
+            for _ in range(5):
+                step(parallel, mine, do_mine)
         if args.kernels:  # every rank runs the parallel step (its collectives), then prints in turn
             listing = (f"{op_name}: rank {rank}'s kernels, one GPU\n" + top_kernels(lambda: step(single, full, do))  # noqa: B023
                        + "\n  parallel\n" + top_kernels(lambda: step(parallel, mine, do_mine)))  # noqa: B023
@@ -242,6 +262,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--port", type=int, default=29533)
+    parser.add_argument("--host-profile", action="store_true", help="cProfile of 5 parallel steps on rank 0")
     parser.add_argument("--profile", action="store_true", help="exposed communication from the profiler")
     parser.add_argument("--kernels", action="store_true", help="each rank's top kernels, one GPU and parallel")
     parser.add_argument("--ring", action="store_true", help="factorizable specs (spherical) in the streamed form on "
