@@ -30,6 +30,7 @@ bound them."""
 # (the kernel names its output O, as kernel.py does)
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -787,6 +788,20 @@ class RingAttention(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
+def _places(rank: int, world: int, causal: bool) -> list[int]:
+    """The places of a rank's segments among all ranks' pieces: the zigzag's two chunks, or the shard's rank."""
+    return [rank, 2 * world - 1 - rank] if causal else [rank]
+
+
+@functools.lru_cache(maxsize=64)
+def _reach_mask(world: int, rank: int, causal: bool, before: bool, device: torch.device) -> torch.Tensor:
+    """Which (rank, segment) totals reach each of `rank`'s segments: 0/1 [S, P * S] on the device, made once (a
+    copy from pageable host memory waits for the device's queue)."""
+    wanted = [[(other < place if before else other > place) if causal else other != place
+               for r in range(world) for other in _places(r, world, causal)] for place in _places(rank, world, causal)]
+    return torch.tensor(wanted, dtype=torch.float32, device=device)
+
+
 # torch 2.13 renamed all_gather_into_tensor (the old name warns there)
 gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -810,7 +825,7 @@ class Segments:
 
     @property
     def places(self) -> list[int]:
-        return self.places_of(self.rank)
+        return _places(self.rank, self.world, self.kernels.causal)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """[B, H, 2c, D] -> [2B, H, c, D] (row b * 2 + s: segment s of batch b); w [B, 2c] -> [2B, c]. A view at
@@ -839,9 +854,6 @@ class Segments:
         whole = self.kernels.new(like.shape, like.dtype, like.device)
         return whole, self.split(whole)
 
-    def places_of(self, rank: int) -> list[int]:
-        return [rank, 2 * self.world - 1 - rank] if self.kernels.causal else [rank]
-
     def exchange(self, totals: tuple, hkv: int, before: bool) -> tuple:
         """The incoming sums for this rank's segments from every rank's segment totals: one all_gather, fp32.
         totals: fp32 [S B Hkv, ...] in split's row order, any of them None (the coefficients need no such sum)."""
@@ -851,11 +863,7 @@ class Segments:
         rows = flat.new_empty(self.world * flat.numel())
         gather_into(rows, flat, group=self.group)
         rows = rows.view(self.world, -1)
-        # which (rank, segment) totals reach each of this rank's segments, as a 0/1 mask [S, P * S]
-        causal = self.kernels.causal
-        wanted = [[(other < place if before else other > place) if causal else other != place
-                   for rank in range(self.world) for other in self.places_of(rank)] for place in self.places]
-        mask = torch.tensor(wanted, dtype=torch.float32).to(flat.device, non_blocking=True)
+        mask = _reach_mask(self.world, self.rank, self.kernels.causal, before, flat.device)
         sums, at = [], 0
         for t in present:
             batch = t.shape[0] // (segments * hkv)
