@@ -1,6 +1,7 @@
 """Context-parallel attention and sequence-parallel recurrences on several GPUs (NCCL) against one GPU running the
 whole sequence, in one run: each rank's output and gradients are checked against the single-GPU op on the same rank's
-GPU, then forward+backward is timed both ways (CUDA events around a barrier; median of --reps steps). bf16 inputs,
+GPU, then forward+backward is timed both ways: each step alone from an idle GPU (CUDA events around a barrier; median
+of --reps steps), and --reps steps queued back to back (throughput, as a training loop runs them). bf16 inputs,
 B 1, D 128. With --profile, rank 0's exposed communication: the time NCCL kernels run while no other kernel does, as a
 share of the parallel step (torch.profiler, one step).
 
@@ -90,6 +91,22 @@ def top_kernels(fn, count: int = 10) -> str:
             entry[1] += 1
     rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:count]
     return "\n".join(f"    {ms:8.3f} ms {n:4d}x {name}" for name, (ms, n) in rows)
+
+
+def back_to_back(fn, steps: int) -> float:
+    """ms per step with `steps` steps queued back to back, as a training loop runs them (the host may run ahead
+    of the GPU: a step's host work hides behind the previous step's kernels)."""
+    fn()
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return start.elapsed_time(end) / steps
 
 
 def host_profile(fn, steps: int = 5) -> None:
@@ -214,6 +231,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         one, one_host = timed(lambda: step(single, full, do), args.reps)  # noqa: B023
         many, many_host = timed(lambda: step(parallel, mine, do_mine), args.reps)  # noqa: B023
         other = timed(lambda: step(streamed, full, do), args.reps)[0] if streamed is not None else 0.0  # noqa: B023
+        one_run = back_to_back(lambda: step(single, full, do), args.reps)  # noqa: B023
+        many_run = back_to_back(lambda: step(parallel, mine, do_mine), args.reps)  # noqa: B023
         exposed = span = 0.0
         if args.profile:
             exposed, span = exposed_communication(lambda: step(parallel, mine, do_mine))  # noqa: B023
@@ -229,8 +248,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                 if rank == turn:
                     print(listing, flush=True)
                 dist.barrier()
-        report = torch.tensor([one, many, float(ok), other, exposed, span, max(errors.values()), one_host, many_host],
-                              device=device)
+        report = torch.tensor([one, many, float(ok), other, exposed, span, max(errors.values()), one_host, many_host,
+                               one_run, many_run], device=device)
         rows = [torch.empty_like(report) for _ in range(world)]
         dist.all_gather(rows, report)
         if rank == 0:
@@ -241,6 +260,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                   + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
                   + "; largest per rank: " + ", ".join(f"{r[6].item():.1e}" for r in rows)
                   + f"; check {'OK' if all(r[2].item() for r in rows) else 'FAILED'}", flush=True)
+            one_run, many_run = statistics.median([r[9].item() for r in rows]), max(r[10].item() for r in rows)
+            print(f"  {args.reps} steps back to back: one GPU {one_run:.2f} ms a step, parallel {many_run:.2f} ms "
+                  f"(slowest rank) -> {one_run / many_run:.2f}x", flush=True)
             print("  host time to queue a step (median): one GPU " + ", ".join(f"{r[7].item():.2f}" for r in rows)
                   + " ms; parallel " + ", ".join(f"{r[8].item():.2f}" for r in rows) + " ms (per rank)", flush=True)
             if streamed is not None:
