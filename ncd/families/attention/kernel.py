@@ -1462,13 +1462,19 @@ def autotuned(kernel: Any, configs: list, key: list[str], prune: Callable = _pru
 _CAPABILITY: dict = {}
 
 
+def _pow2_at_least_16(n: int) -> int:
+    """max(16, the next power of two >= n) in plain ints (triton.next_power_of_2 is a constexpr function, about
+    ten times slower, and the launches call this several times each)."""
+    return max(16, 1 << (max(int(n), 1) - 1).bit_length())
+
+
 def head_tile(d: int) -> int:
     """The head-dim tile the kernels run at: a power of two, at least 16 (tl.arange and tl.dot need both)."""
-    return max(16, triton.next_power_of_2(int(d)))
+    return _pow2_at_least_16(d)
 
 
 def bucket(n: int) -> int:
-    return max(16, triton.next_power_of_2(int(n)))
+    return _pow2_at_least_16(n)
 
 
 def grid_order(blocks: int, heads: int, meta: dict) -> tuple[int, int]:
