@@ -208,8 +208,11 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         else:
             full = inputs(op_name, args.t, args.heads, device)
             do = torch.randn(full["v"].shape, device=device, generator=torch.Generator(device=device).manual_seed(1))
-            shard = args.t // world
-            lo, hi = rank * shard, (rank + 1) * shard if rank < world - 1 else args.t
+            # rank 0 runs its shard as it is, the others wider (delta rules): --first-share evens them, whole chunks
+            first = 64 * round(args.t * args.first_share / 64) if args.first_share else args.t // world
+            rest = (args.t - first) // max(world - 1, 1)
+            lo = 0 if rank == 0 else first + (rank - 1) * rest
+            hi = first if rank == 0 else (first + rank * rest if rank < world - 1 else args.t)
             mine = {n: t[:, lo:hi] for n, t in full.items()}
             do_mine = do[:, lo:hi]
 
@@ -284,6 +287,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--port", type=int, default=29533)
+    parser.add_argument("--first-share", type=float, default=0.0,
+                        help="recurrences: rank 0's share of T (the others split the rest); default an even split")
     parser.add_argument("--host-profile", action="store_true", help="cProfile of 5 parallel steps on rank 0")
     parser.add_argument("--profile", action="store_true", help="exposed communication from the profiler")
     parser.add_argument("--kernels", action="store_true", help="each rank's top kernels, one GPU and parallel")
