@@ -795,10 +795,11 @@ def _places(rank: int, world: int, causal: bool) -> list[int]:
 
 @functools.lru_cache(maxsize=64)
 def _reach_mask(world: int, rank: int, causal: bool, before: bool, device: torch.device) -> torch.Tensor:
-    """Which (rank, segment) totals reach each of `rank`'s segments: 0/1 [S, P * S] on the device, made once (a
+    """Which (rank, segment) totals reach each of `rank`'s segments: 0/1 [S, P, S] on the device, made once (a
     copy from pageable host memory waits for the device's queue)."""
-    wanted = [[(other < place if before else other > place) if causal else other != place
-               for r in range(world) for other in _places(r, world, causal)] for place in _places(rank, world, causal)]
+    mine = _places(rank, world, causal)
+    wanted = [[[(other < place if before else other > place) if causal else other != place
+                for other in _places(r, world, causal)] for r in range(world)] for place in mine]
     return torch.tensor(wanted, dtype=torch.float32, device=device)
 
 
@@ -859,19 +860,15 @@ class Segments:
         totals: fp32 [S B Hkv, ...] in split's row order, any of them None (the coefficients need no such sum)."""
         present = [t for t in totals if t is not None]
         segments = len(self.places)
-        flat = torch.cat([t.reshape(-1) for t in present])
+        batch = present[0].shape[0] // (segments * hkv)
+        widths = [t.numel() // (batch * segments) for t in present]
+        flat = torch.cat([t.reshape(batch, segments, -1) for t in present], dim=2)  # [B, S, X]
         rows = flat.new_empty(self.world * flat.numel())
-        gather_into(rows, flat, group=self.group)
-        rows = rows.view(self.world, -1)
-        mask = _reach_mask(self.world, self.rank, self.kernels.causal, before, flat.device)
-        sums, at = [], 0
-        for t in present:
-            batch = t.shape[0] // (segments * hkv)
-            theirs = rows[:, at:at + t.numel()].reshape(self.world, batch, segments, -1)
-            theirs = theirs.permute(1, 0, 2, 3).reshape(batch, 1, self.world * segments, -1)  # [B, 1, P * S, X]
-            sums.append((theirs * mask[None, :, :, None]).sum(2).reshape(t.shape))  # (exact: fp32 adds of 0s, 1s)
-            at += t.numel()
-        it = iter(sums)
+        gather_into(rows, flat.view(-1), group=self.group)
+        theirs = rows.view(self.world, batch, segments, -1).transpose(0, 1).unsqueeze(1)  # [B, 1, P, S, X]
+        mask = _reach_mask(self.world, self.rank, self.kernels.causal, before, flat.device)  # [S, P, S]
+        sums = (theirs * mask[None, :, :, :, None]).sum((2, 3))  # [B, S, X] (the products by 0 and 1 exact)
+        it = iter(part.reshape(t.shape) for part, t in zip(sums.split(widths, dim=2), present, strict=True))
         return tuple(None if t is None else next(it) for t in totals)
 
 
