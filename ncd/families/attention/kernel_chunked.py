@@ -138,6 +138,20 @@ def _total_ptrs(TOT, TOT_VEC, HEAD_DIM: tl.constexpr, col0, offs_r, offs_c):
 
 
 @triton.jit
+def _store_state(h_ptrs, vec_ptrs, wsum_ptr, h, vec, wsum, STORE_VEC, STORE_W, NEED_VEC: tl.constexpr,
+                 E0: tl.constexpr):
+    """A scan program's block of a state in the pointers' dtype, its vector sums and weight sum where this program
+    owns them (STORE_VEC, STORE_W) and the coefficients need them."""
+    tl.store(h_ptrs, h.to(h_ptrs.dtype.element_ty))
+    if NEED_VEC:
+        if STORE_VEC:
+            tl.store(vec_ptrs, vec)
+    if E0 != 0.0:
+        if STORE_W:
+            tl.store(wsum_ptr, wsum)
+
+
+@triton.jit
 def _fact_scan_fwd(
     h_ptrs, h_step, vec_ptrs, vec_step, wsum_ptr, wsum_step, tot_ptrs, tot_vec_ptrs, tot_w_ptr, k_base, x_base,
     w_base, stride_kn, stride_kd, stride_xn, stride_xd, stride_wn, offs_r, offs_c, r_ok, c_ok, N_K, N_STATES, N_STEPS,
@@ -155,13 +169,8 @@ def _fact_scan_fwd(
     wsum = tl.sum(tl.zeros([CHUNK], dtype=tl.float32), 0)
     for t in range(N_STEPS):
         if STORE_ALL:
-            tl.store(h_ptrs + t * h_step, h.to(h_ptrs.dtype.element_ty))
-            if NEED_VEC:
-                if STORE_VEC:
-                    tl.store(vec_ptrs + t * vec_step, vec)
-            if E0 != 0.0:
-                if STORE_W:
-                    tl.store(wsum_ptr + t * wsum_step, wsum)
+            _store_state(h_ptrs + t * h_step, vec_ptrs + t * vec_step, wsum_ptr + t * wsum_step, h, vec, wsum,
+                         STORE_VEC, STORE_W, NEED_VEC, E0)
         offs_n = t * CHUNK + offs_t
         in_k = offs_n < N_K
         kk = _load_rows(k_base, offs_n, stride_kn, stride_kd, offs_r, in_k, r_ok)
@@ -183,21 +192,10 @@ def _fact_scan_fwd(
     else:
         last = 0
     if last < N_STATES:
-        tl.store(h_ptrs + last * h_step, h.to(h_ptrs.dtype.element_ty))
-        if NEED_VEC:
-            if STORE_VEC:
-                tl.store(vec_ptrs + last * vec_step, vec)
-        if E0 != 0.0:
-            if STORE_W:
-                tl.store(wsum_ptr + last * wsum_step, wsum)
+        _store_state(h_ptrs + last * h_step, vec_ptrs + last * vec_step, wsum_ptr + last * wsum_step, h, vec, wsum,
+                     STORE_VEC, STORE_W, NEED_VEC, E0)
     if STORE_TOTAL:
-        tl.store(tot_ptrs, h)
-        if NEED_VEC:
-            if STORE_VEC:
-                tl.store(tot_vec_ptrs, vec)
-        if E0 != 0.0:
-            if STORE_W:
-                tl.store(tot_w_ptr, wsum)
+        _store_state(tot_ptrs, tot_vec_ptrs, tot_w_ptr, h, vec, wsum, STORE_VEC, STORE_W, NEED_VEC, E0)
 
 
 @triton.jit
