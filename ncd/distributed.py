@@ -48,7 +48,7 @@ from ncd.families.recurrence.runtime_linear import LinearScanOp
 from ncd.families.recurrence.scales import BetaScales
 from ncd.families.recurrence.states import outer_sum, project
 
-_HOST_GROUPS: dict[tuple[int, ...], Any] = {}  # ranks -> the gloo group that the shard checks' records use
+_HOST_GROUPS: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, the gloo group its shard checks use)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHAPE_SLOTS = 6  # dims recorded per tensor in the shard check (the recurrences' inputs have at most 4)
 
@@ -454,13 +454,15 @@ def _check_shards(runtime: Any, given: dict, rank: int, world: int, group: Any) 
 
 def _host_group(group: Any) -> Any:
     """A group of `group`'s ranks that carries CPU tensors: itself where its backend has gloo, else a gloo group
-    made once per set of ranks (only those ranks take part: use_local_synchronization), with `group`'s timeout where
-    torch shows it, so that a rank that never arrives fails the others as the group would."""
+    made once per group (only its ranks take part: use_local_synchronization; a group made again after
+    destroy_process_group gets its own), with `group`'s timeout where torch shows it, so that a rank that never
+    arrives fails the others as the group would."""
     group = group if group is not None else dist.group.WORLD
     if "gloo" in str(dist.get_backend(group)):
         return group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _HOST_GROUPS:
+    made = _HOST_GROUPS.get(id(group))
+    if made is None or made[0] is not group:
+        ranks = dist.get_process_group_ranks(group)
         timeout = None
         for device in ("cuda", "cpu"):
             try:  # (private: the backend's options; absent, torch's default timeout)
@@ -468,9 +470,9 @@ def _host_group(group: Any) -> Any:
                 break
             except (AttributeError, RuntimeError):
                 continue
-        _HOST_GROUPS[ranks] = dist.new_group(list(ranks), timeout=timeout, backend="gloo",
-                                             use_local_synchronization=True)
-    return _HOST_GROUPS[ranks]
+        made = (group, dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True))
+        _HOST_GROUPS[id(group)] = made
+    return made[1]
 
 
 def _gather_records(record: list[int], group: Any) -> list[list[int]]:

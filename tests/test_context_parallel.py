@@ -318,8 +318,9 @@ def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None
         with pytest.raises(CallError, match=r"rank 1: V has dtype torch\.float64; expected"):
             bad = dict(shards, V=shards["V"].double()) if rank == 1 else shards
             context_parallel_attention(window_op, **bad, window=2)
-        assert list(distributed._HOST_GROUPS) == [(0, 1)]
-        assert distributed._HOST_GROUPS[(0, 1)] is not dist.group.WORLD
+        assert [made[0] for made in distributed._HOST_GROUPS.values()] == [dist.group.WORLD]
+        host = distributed._host_group(None)
+        assert host is not dist.group.WORLD and dist.get_process_group_ranks(host) == [0, 1]
     finally:
         dist.get_backend = backend
     dist.destroy_process_group()
