@@ -130,11 +130,18 @@ def _state_program(H, VEC, HQ, GROUP, N_STATES, HEAD_DIM: tl.constexpr, BK: tl.c
 
 
 @triton.jit
-def _total_ptrs(TOT, TOT_VEC, HEAD_DIM: tl.constexpr, col0, offs_r, offs_c):
-    """A scan program's block of its (batch, kv head)'s fp32 total [D, 2D] and vector sums [2D]."""
-    bhk = tl.program_id(2).to(tl.int64)
-    tot_ptrs = TOT + bhk * (2 * HEAD_DIM * HEAD_DIM) + offs_r[:, None] * (2 * HEAD_DIM) + col0 + offs_c[None, :]
-    return tot_ptrs, TOT_VEC + bhk * (2 * HEAD_DIM) + col0 + offs_c
+def _total_row(TOT, bhk, HEAD_DIM: tl.constexpr):
+    """A (batch, kv head)'s row of fp32 totals (total_width: the state [D, 2D], then its vector sums [2D], then its
+    weight sum): pointers to its state, vector sums and weight sum."""
+    row = TOT + bhk.to(tl.int64) * (2 * HEAD_DIM * HEAD_DIM + 4 * HEAD_DIM)
+    return row, row + 2 * HEAD_DIM * HEAD_DIM, row + 2 * HEAD_DIM * HEAD_DIM + 2 * HEAD_DIM
+
+
+@triton.jit
+def _total_ptrs(TOT, HEAD_DIM: tl.constexpr, col0, offs_r, offs_c):
+    """A scan program's block of its (batch, kv head)'s total row (_total_row): state, vector sums, weight sum."""
+    h, vec, w = _total_row(TOT, tl.program_id(2), HEAD_DIM)
+    return h + offs_r[:, None] * (2 * HEAD_DIM) + col0 + offs_c[None, :], vec + col0 + offs_c, w
 
 
 @triton.jit
@@ -200,7 +207,7 @@ def _fact_scan_fwd(
 
 @triton.jit
 def fact_state_fwd_kernel(
-    K, V, W, H, VEC, WSUM, TOT, TOT_VEC, TOT_W,
+    K, V, W, H, VEC, WSUM, TOT,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_wb, stride_wn,
@@ -220,7 +227,7 @@ def fact_state_fwd_kernel(
     """One program per (column block of [V | K], row block of D, batch * kv head)."""
     pid_c, pid_r, state, off_b, off_hk, col0, offs_r, offs_c, h_ptrs, vec_ptrs = _state_program(
         H, VEC, HKV, 1, N_STATES, HEAD_DIM, BK, BV)
-    tot_ptrs, tot_vec_ptrs = _total_ptrs(TOT, TOT_VEC, HEAD_DIM, col0, offs_r, offs_c)
+    tot_ptrs, tot_vec_ptrs, tot_w_ptr = _total_ptrs(TOT, HEAD_DIM, col0, offs_r, offs_c)
     k_base = _head(K, off_b, off_hk, stride_kb, stride_kh)
     w_base = W + off_b.to(tl.int64) * stride_wb
     store_vec = pid_r == 0
@@ -231,7 +238,7 @@ def fact_state_fwd_kernel(
         v_base = _head(V, off_b, off_hk, stride_vb, stride_vh) + col0 * stride_vd
         _fact_scan_fwd(
             h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, WSUM + state, 1, tot_ptrs, tot_vec_ptrs,
-            TOT_W + tl.program_id(2), k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_wn,
+            tot_w_ptr, k_base, v_base, w_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_wn,
             offs_r, offs_c, r_ok, c_ok, N_K, N_STATES, N_STEPS, store_vec, store_w, STORE_ALL, STORE_TOTAL, CHUNK, BK,
             BV, PRECISION, HAS_WEIGHT, NEED_VEC, E0,
         )
@@ -240,7 +247,7 @@ def fact_state_fwd_kernel(
         c_ok = _in_head(col0 - HEAD_DIM + offs_c, HEAD_DIM, D)
         _fact_scan_fwd(
             h_ptrs, 2 * HEAD_DIM * HEAD_DIM, vec_ptrs, 2 * HEAD_DIM, WSUM + state, 1, tot_ptrs, tot_vec_ptrs,
-            TOT_W + tl.program_id(2), k_base, x_base, w_base, stride_kn, stride_kd, stride_kn, stride_kd, stride_wn,
+            tot_w_ptr, k_base, x_base, w_base, stride_kn, stride_kd, stride_kn, stride_kd, stride_wn,
             offs_r, offs_c, r_ok, c_ok, N_K, N_STATES, N_STEPS, store_vec, False, STORE_ALL, STORE_TOTAL, CHUNK, BK,
             BV, PRECISION, HAS_WEIGHT, NEED_VEC, E0,
         )
@@ -287,7 +294,7 @@ def _state_sums(base, inc_base, offsets, HAS_INCOMING: tl.constexpr):
 
 @triton.jit
 def fact_fwd_kernel(
-    Q, K, V, W, H, VEC, WSUM, O, Z, INC_H, INC_VEC, INC_W,
+    Q, K, V, W, H, VEC, WSUM, O, Z, INC,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -318,8 +325,7 @@ def fact_fwd_kernel(
         t = 0
     state = bhk.to(tl.int64) * N_STATES + t
     h_base = H + state * (2 * HEAD_DIM * HEAD_DIM)
-    inc_h = INC_H + bhk.to(tl.int64) * (2 * HEAD_DIM * HEAD_DIM)
-    inc_vec = INC_VEC + bhk.to(tl.int64) * (2 * HEAD_DIM)
+    inc_h, inc_vec, inc_w = _total_row(INC, bhk, HEAD_DIM)
     z = tl.zeros([BLOCK_M], dtype=tl.float32)
     if E2 != 0.0:
         mm = _state_block(h_base, inc_h, offs_d[:, None] * (2 * HEAD_DIM) + HEAD_DIM + offs_d[None, :], HAS_INCOMING)
@@ -338,7 +344,7 @@ def fact_fwd_kernel(
     if C0 != 0.0:
         acc += C0 * _state_sums(vec_base, inc_vec, offs_d, HAS_INCOMING)[None, :]
     if E0 != 0.0:
-        z += E0 * _state_sums(WSUM + state, INC_W + bhk, 0, HAS_INCOMING)
+        z += E0 * _state_sums(WSUM + state, inc_w, 0, HAS_INCOMING)
     if CAUSAL:
         # the keys of the own chunk up to the diagonal, as scores (unmasked blocks, then masked ones)
         k_base = _head(K, off_b, off_hk, stride_kb, stride_kh)
@@ -363,7 +369,7 @@ def fact_fwd_kernel(
 
 @triton.jit
 def fact_dq_kernel(
-    Q, K, V, W, DO, O, Z, H, VEC, DELTA, DQ, INC_H, INC_VEC,
+    Q, K, V, W, DO, O, Z, H, VEC, DELTA, DQ, INC,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -406,7 +412,7 @@ def fact_dq_kernel(
         t = 0
     state = bhk.to(tl.int64) * N_STATES + t
     h_base = H + state * (2 * HEAD_DIM * HEAD_DIM)
-    inc_h = INC_H + bhk.to(tl.int64) * (2 * HEAD_DIM * HEAD_DIM)
+    inc_h, inc_vec, _ = _total_row(INC, bhk, HEAD_DIM)
     if C1 != 0.0:
         g = (do.to(tl.float32) * inv_b[:, None]).to(do.dtype)
         st = _state_block(h_base, inc_h, offs_d[None, :] * (2 * HEAD_DIM) + offs_d[:, None], HAS_INCOMING)  # S^T
@@ -420,8 +426,7 @@ def fact_dq_kernel(
         q_delta = (q.to(tl.float32) * (((-2.0 * E2) * scale) * delta)[:, None]).to(q.dtype)
         dq = _dot(q_delta, mm, dq, PRECISION)
     if E1 != 0.0:
-        kw = _state_sums(VEC + state * (2 * HEAD_DIM), INC_VEC + bhk.to(tl.int64) * (2 * HEAD_DIM), HEAD_DIM + offs_d,
-                         HAS_INCOMING)
+        kw = _state_sums(VEC + state * (2 * HEAD_DIM), inc_vec, HEAD_DIM + offs_d, HAS_INCOMING)
         dq -= E1 * delta[:, None] * kw[None, :]
     if CAUSAL:
         k_base = _head(K, off_b, off_hk, stride_kb, stride_kh)
@@ -497,7 +502,7 @@ def _fact_scan_bwd(
 
 @triton.jit
 def fact_state_bwd_kernel(
-    Q, DO, Z, DELTA, H, VEC, TOT, TOT_VEC,
+    Q, DO, Z, DELTA, H, VEC, TOT,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     HQ, GROUP, N_Q, N_STATES, N_STEPS, STEPS_BUCKET, HEADS_BUCKET,
@@ -516,7 +521,7 @@ def fact_state_bwd_kernel(
     """One program per (column block of [G | delta Q], row block of D, batch * kv head)."""
     _, pid_r, _, off_b, off_hk, col0, offs_r, offs_c, h_ptrs, vec_ptrs = _state_program(
         H, VEC, HQ, GROUP, N_STATES, HEAD_DIM, BK, BV)
-    tot_ptrs, tot_vec_ptrs = _total_ptrs(TOT, TOT_VEC, HEAD_DIM, col0, offs_r, offs_c)
+    tot_ptrs, tot_vec_ptrs, _ = _total_ptrs(TOT, HEAD_DIM, col0, offs_r, offs_c)
     store_vec = pid_r == 0
     r_ok = _in_head(offs_r, HEAD_DIM, D)
     if col0 < HEAD_DIM:  # G = dO / b(z) columns: A
@@ -544,7 +549,7 @@ def fact_state_bwd_kernel(
 
 @triton.jit
 def fact_dkdv_kernel(
-    Q, K, V, W, DO, Z, DELTA, HB, VECB, DK, DV, INC_H, INC_VEC,
+    Q, K, V, W, DO, Z, DELTA, HB, VECB, DK, DV, INC,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -581,8 +586,7 @@ def fact_dkdv_kernel(
     # is rounded again), then the own chunk's scores accumulate into them
     state = bhk.to(tl.int64) * N_STATES + t
     h_base = HB + state * (2 * HEAD_DIM * HEAD_DIM)
-    inc_h = INC_H + bhk.to(tl.int64) * (2 * HEAD_DIM * HEAD_DIM)
-    inc_vec = INC_VEC + bhk.to(tl.int64) * (2 * HEAD_DIM)
+    inc_h, inc_vec, _ = _total_row(INC, bhk, HEAD_DIM)
     if C1 != 0.0:
         a = _state_block(h_base, inc_h, offs_d[:, None] * (2 * HEAD_DIM) + offs_d[None, :], HAS_INCOMING)  # A
         dv = _dot(k, a, None, PRECISION) * (C1 * scale)
@@ -630,14 +634,69 @@ def fact_dkdv_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# Context parallelism: the incoming sums from every rank's segment totals
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _place(rank, segment, WORLD, CAUSAL: tl.constexpr):
+    """A segment's place among all ranks' pieces: the zigzag's chunks rank and 2 P - 1 - rank, or the rank."""
+    if CAUSAL:
+        return tl.where(segment == 0, rank, 2 * WORLD - 1 - rank)
+    return rank
+
+
+@triton.jit
+def incoming_sums_kernel(GATHERED, INC, WIDTH, BATCH, WORLD, RANK, SEGMENTS: tl.constexpr, CAUSAL: tl.constexpr,
+                         BEFORE: tl.constexpr, BLOCK: tl.constexpr):
+    """INC[b, s] = the sum of GATHERED[p, b, s'] over every rank p's segments s' that reach this rank's segment s
+    (causal: placed before it, or after it for the backward's; else every other rank's), WIDTH floats each. One
+    program per (block of WIDTH, batch * segment); the sum runs in rank and segment order on every rank."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_row = offs < WIDTH
+    b = tl.program_id(1) // SEGMENTS
+    mine = _place(RANK, tl.program_id(1) % SEGMENTS, WORLD, CAUSAL)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p in range(WORLD):
+        for s in range(SEGMENTS):
+            other = _place(p, s, WORLD, CAUSAL)
+            if CAUSAL:
+                if BEFORE:
+                    reach = other < mine
+                else:
+                    reach = other > mine
+            else:
+                reach = other != mine
+            if reach:
+                row = ((p * BATCH + b) * SEGMENTS + s).to(tl.int64) * WIDTH
+                acc += tl.load(GATHERED + row + offs, mask=in_row, other=0.0)
+    tl.store(INC + tl.program_id(1).to(tl.int64) * WIDTH + offs, acc, mask=in_row)
+
+
+# ---------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------
 
 
-def _incoming(incoming: tuple | None, stand_in: torch.Tensor, count: int) -> tuple:
-    """The kernels' INC_* pointers: the first `count` of incoming's tensors, stand_in for any absent (not read)."""
-    given = (None,) * count if incoming is None else incoming[:count]
-    return tuple(stand_in if t is None else t for t in given)
+def total_width(tile: int) -> int:
+    """Floats in a (batch, kv head)'s row of totals (_total_row): the state, its vector sums, its weight sum."""
+    return 2 * tile * tile + 4 * tile
+
+
+def incoming_sums(gathered: torch.Tensor, batch: int, segments: int, world: int, rank: int, causal: bool,
+                  before: bool) -> torch.Tensor:
+    """The incoming sums for this rank's segments ([batch * segments, width] fp32) from every rank's segment totals,
+    gathered in rank order: [world * batch * segments * width] (incoming_sums_kernel)."""
+    width = gathered.numel() // (world * batch * segments)
+    out = torch.empty((batch * segments, width), dtype=torch.float32, device=gathered.device)
+    block = 1024
+
+    def grid(meta: dict) -> tuple:
+        return (triton.cdiv(width, block), batch * segments)
+
+    fast(incoming_sums_kernel)[grid](gathered, out, width, batch, world, rank, SEGMENTS=segments, CAUSAL=causal,
+                                     BEFORE=before, BLOCK=block)
+    return out
 
 
 def _same_widths(head_dim: int, v: torch.Tensor) -> None:
@@ -676,24 +735,18 @@ class FactorizedAttentionKernels(AttentionKernels):
         n_bwd = triton.cdiv(n_k, chunk)  # state t: queries of chunks > t, for each key chunk
         return n_fwd, n_fwd - 1, n_bwd, max(triton.cdiv(n_q, chunk), n_bwd)
 
-    def _totals(self, rows: int, tile: int, with_wsum: bool, device: torch.device) -> tuple:
-        """(h, vec, wsum) of fp32 totals, one per batch * kv head (None where the coefficients need none)."""
-        return (self.new((rows, tile, 2 * tile), torch.float32, device),
-                self.new((rows, 2 * tile), torch.float32, device) if self.need_vec else None,
-                self.new((rows,), torch.float32, device) if with_wsum and self.has_wsum else None)
-
     def key_states(self, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, n_states: int, n_steps: int,
                    store_all: bool, dtype: torch.dtype, totals: bool = False) -> tuple:
         """(h, vec, wsum) of the keys: [B * Hkv, n_states, tile, 2 tile] in dtype, the vector sums and weight sums
         fp32 (None where the coefficients need none); store_all: the state before each chunk (causal), else the
-        total over all keys once. totals: ((h, vec, wsum), their totals over all n_steps chunks in fp32: [B * Hkv,
-        tile, 2 tile], ...), what context parallelism sends."""
+        total over all keys once. totals: ((h, vec, wsum), their totals over all n_steps chunks in fp32, one row
+        per batch * kv head: [B * Hkv, total_width(tile)]), what context parallelism sends."""
         batch, hkv, n_k, head_dim = k.shape
         tile = head_tile(head_dim)  # the states are tile x 2 tile: the columns past head_dim stay zero
         h = self.new((batch * hkv, n_states, tile, 2 * tile), dtype, k.device)
         vec = self.new((batch * hkv, n_states, 2 * tile), torch.float32, k.device) if self.need_vec else None
         wsum = self.new((batch * hkv, n_states), torch.float32, k.device) if self.has_wsum else None
-        tot = self._totals(batch * hkv, tile, True, k.device) if totals else (None, None, None)
+        tot = self.new((batch * hkv, total_width(tile)), torch.float32, k.device) if totals else None
         w_arg, w_strides = weight_arg(w, k)
 
         def grid_state(meta: dict) -> tuple:
@@ -701,8 +754,7 @@ class FactorizedAttentionKernels(AttentionKernels):
 
         # (h stands in for the vector sums and the weight sums where the coefficients need none)
         fast(self.fact_state_fwd_kernel)[grid_state](
-            k, v, w_arg, h, h if vec is None else vec, h if wsum is None else wsum,
-            *(h if t is None else t for t in tot),
+            k, v, w_arg, h, h if vec is None else vec, h if wsum is None else wsum, h if tot is None else tot,
             *k.stride(), *v.stride(), *w_strides, hkv, n_k, n_states, n_steps, bucket(n_steps), bucket(batch * hkv),
             HEAD_DIM=tile, D=head_dim, CHUNK=self.chunk, STORE_ALL=store_all, STORE_TOTAL=totals,
             PRECISION=self.precision(k.dtype), **self.fact_spec,
@@ -727,10 +779,10 @@ class FactorizedAttentionKernels(AttentionKernels):
 
     def factorized_output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None,
                           scale: float, h: torch.Tensor, vec: torch.Tensor | None, wsum: torch.Tensor | None,
-                          out: torch.Tensor | None = None, incoming: tuple | None = None) -> tuple:
+                          out: torch.Tensor | None = None, incoming: torch.Tensor | None = None) -> tuple:
         """(o, z) from the keys' states (`key_states`: query chunk t reads state t). out: o's storage (any
-        strides), else a new tensor. incoming: fp32 (h, vec, wsum) per batch * kv head that every state is raised by
-        as the kernel reads it (context parallelism: the other ranks' segments before these)."""
+        strides), else a new tensor. incoming: fp32 sums, a row per batch * kv head as key_states' totals, that every
+        state is raised by as the kernel reads it (context parallelism: the other ranks' segments before these)."""
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         w_arg, w_strides = weight_arg(w, q)
         o = self.new((batch, hq, n_q, head_dim), q.dtype, q.device) if out is None else out
@@ -740,7 +792,8 @@ class FactorizedAttentionKernels(AttentionKernels):
             return (triton.cdiv(n_q, meta["BLOCK_M"]), batch * hq)
 
         fast(self.fact_fwd_kernel)[grid](
-            q, k, v, w_arg, h, h if vec is None else vec, h if wsum is None else wsum, o, z, *_incoming(incoming, h, 3),
+            q, k, v, w_arg, h, h if vec is None else vec, h if wsum is None else wsum, o, z,
+            h if incoming is None else incoming,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *w_strides,
             scale, hq, hq // hkv, n_q, n_k, h.shape[1], bucket(n_q), bucket(n_k), bucket(batch * hq),
             HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), CHUNK=self.chunk,
@@ -760,7 +813,7 @@ class FactorizedAttentionKernels(AttentionKernels):
 
     def factorized_dq(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       stats: tuple, w: torch.Tensor | None = None, scale: float | None = None,
-                      out: torch.Tensor | None = None, incoming: tuple | None = None) -> tuple:
+                      out: torch.Tensor | None = None, incoming: torch.Tensor | None = None) -> tuple:
         """(dq, delta): the first half of backward_factorized (delta: fp32 [B, Hq, N_Q], what the rest reads).
         out: dq's storage, else a new tensor. incoming: as factorized_output's."""
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
@@ -781,7 +834,7 @@ class FactorizedAttentionKernels(AttentionKernels):
 
         fast(self.fact_dq_kernel)[grid_q](
             q, k, v, w_arg, do, o, z, h, h if vec is None or not self.need_vec else vec, delta, dq,
-            *_incoming(incoming, h, 2),
+            h if incoming is None else incoming,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *o.stride(), *dq.stride(), *w_strides,
             scale, hq, hq // hkv, n_q, n_k, h.shape[1], bucket(n_q), bucket(n_k), bucket(batch * hq),
             HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), CHUNK=self.chunk,
@@ -793,20 +846,21 @@ class FactorizedAttentionKernels(AttentionKernels):
                      n_states: int, n_steps: int, store_all: bool, dtype: torch.dtype, totals: bool = False) -> tuple:
         """(hb [B * Hkv, n_states, tile, 2 tile] in dtype, vecb fp32 or None) of the queries, summed over the query
         heads of each of the hkv kv heads (the backward's reverse scan; store_all: the state after each chunk,
-        causal; else the total once). totals: ((hb, vecb), their fp32 totals over all the queries), as key_states."""
+        causal; else the total once). totals: ((hb, vecb), their fp32 totals over all the queries, in rows as
+        key_states')."""
         batch, hq, n_q, head_dim = q.shape
         tile = head_tile(head_dim)
         if do.dtype != q.dtype:
             do = do.to(q.dtype)
         hb = self.new((batch * hkv, n_states, tile, 2 * tile), dtype, q.device)
         vecb = self.new((batch * hkv, n_states, 2 * tile), torch.float32, q.device) if self.need_vec else None
-        tot = self._totals(batch * hkv, tile, False, q.device)[:2] if totals else (None, None)
+        tot = self.new((batch * hkv, total_width(tile)), torch.float32, q.device) if totals else None
 
         def grid_state(meta: dict) -> tuple:
             return (2 * tile // meta["BV"], tile // meta["BK"], batch * hkv)
 
         fast(self.fact_state_bwd_kernel)[grid_state](
-            q, do, z, delta, hb, hb if vecb is None else vecb, *(hb if t is None else t for t in tot), *q.stride(),
+            q, do, z, delta, hb, hb if vecb is None else vecb, hb if tot is None else tot, *q.stride(),
             *do.stride(), hq, hq // hkv, n_q, n_states, n_steps, bucket(n_steps), bucket(batch * hkv),
             HEAD_DIM=tile, D=head_dim, CHUNK=self.chunk, STORE_ALL=store_all, STORE_TOTAL=totals,
             PRECISION=self.precision(q.dtype), **self.fact_spec,
@@ -815,9 +869,10 @@ class FactorizedAttentionKernels(AttentionKernels):
 
     def factorized_dkdv(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor,
                         delta: torch.Tensor, hb: torch.Tensor, vecb: torch.Tensor | None, w: torch.Tensor | None = None,
-                        scale: float | None = None, out: tuple | None = None, incoming: tuple | None = None) -> tuple:
+                        scale: float | None = None, out: tuple | None = None,
+                        incoming: torch.Tensor | None = None) -> tuple:
         """(dk, dv) from the queries' states (query_states): the rest of backward_factorized. out: (dk, dv)'s
-        storage, else new tensors. incoming: fp32 (hb, vecb) that every state is raised by (factorized_output's)."""
+        storage, else new tensors. incoming: fp32 sums that every state is raised by (factorized_output's)."""
         batch, hq, hkv, n_q, n_k, head_dim = self.shapes(q, k, v, w)
         scale = head_dim**-0.5 if scale is None else float(scale)
         w_arg, w_strides = weight_arg(w, q)
@@ -832,7 +887,8 @@ class FactorizedAttentionKernels(AttentionKernels):
             return (triton.cdiv(n_k, meta["BLOCK_N"]), batch * hkv)
 
         fast(self.fact_dkdv_kernel)[grid_k](
-            q, k, v, w_arg, do, z, delta, hb, hb if vecb is None else vecb, dk, dv, *_incoming(incoming, hb, 2),
+            q, k, v, w_arg, do, z, delta, hb, hb if vecb is None else vecb, dk, dv,
+            hb if incoming is None else incoming,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *w_strides,
             scale, hq, hkv, hq // hkv, n_q, n_k, hb.shape[1], bucket(n_q), bucket(n_k), bucket(batch * hq),
             HEAD_DIM=head_tile(head_dim), D=head_dim, PRECISION=self.precision(q.dtype), CHUNK=self.chunk,

@@ -30,7 +30,6 @@ bound them."""
 # (the kernel names its output O, as kernel.py does)
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ import triton.language as tl
 from ncd.errors import CallError
 from ncd.families.attention import kernel_sink
 from ncd.families.attention.kernel import AttentionKernels, _head, _load_rows, _row_program, _store_rows, head_tile
+from ncd.families.attention.kernel_chunked import incoming_sums
 
 BLOCK_ROWS = 32
 _ALIGN = 16  # bytes: every tensor of a packed shard starts aligned for the kernels' loads and bulk copies
@@ -793,16 +793,6 @@ def _places(rank: int, world: int, causal: bool) -> list[int]:
     return [rank, 2 * world - 1 - rank] if causal else [rank]
 
 
-@functools.lru_cache(maxsize=64)
-def _reach_mask(world: int, rank: int, causal: bool, before: bool, device: torch.device) -> torch.Tensor:
-    """Which (rank, segment) totals reach each of `rank`'s segments: 0/1 [S, P, S] on the device, made once (a
-    copy from pageable host memory waits for the device's queue)."""
-    mine = _places(rank, world, causal)
-    wanted = [[[(other < place if before else other > place) if causal else other != place
-                for other in _places(r, world, causal)] for r in range(world)] for place in mine]
-    return torch.tensor(wanted, dtype=torch.float32, device=device)
-
-
 # torch 2.13 renamed all_gather_into_tensor (the old name warns there)
 gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -847,29 +837,23 @@ class Segments:
         b2, h, n, d = x.shape
         return x.reshape(b2 // 2, 2, h, n, d).transpose(1, 2).reshape(b2 // 2, h, 2 * n, d)
 
-    def result(self, like: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(whole, its split view) for a result shaped like `like` [B, H, 2c, D] that the kernels write in place
-        (causal, B = 1: no join), else (None, None)."""
-        if not self.kernels.causal or like.shape[0] != 1:
+    def result(self, shape: torch.Size, dtype: torch.dtype,
+               device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(whole, its split view) for a result [B, H, 2c, D] that the kernels write in place (causal, B = 1: no
+        join), else (None, None)."""
+        if not self.kernels.causal or shape[0] != 1:
             return None, None
-        whole = self.kernels.new(like.shape, like.dtype, like.device)
+        whole = self.kernels.new(shape, dtype, device)
         return whole, self.split(whole)
 
-    def exchange(self, totals: tuple, hkv: int, before: bool) -> tuple:
-        """The incoming sums for this rank's segments from every rank's segment totals: one all_gather, fp32.
-        totals: fp32 [S B Hkv, ...] in split's row order, any of them None (the coefficients need no such sum)."""
-        present = [t for t in totals if t is not None]
+    def exchange(self, totals: torch.Tensor, hkv: int, before: bool) -> torch.Tensor:
+        """The incoming sums for this rank's segments from every rank's segment totals (fp32, a row per batch
+        row of split's order and kv head: key_states'), in the same layout: one all_gather and one kernel."""
         segments = len(self.places)
-        batch = present[0].shape[0] // (segments * hkv)
-        widths = [t.numel() // (batch * segments) for t in present]
-        flat = torch.cat([t.reshape(batch, segments, -1) for t in present], dim=2)  # [B, S, X]
-        rows = flat.new_empty(self.world * flat.numel())
-        gather_into(rows, flat.view(-1), group=self.group)
-        theirs = rows.view(self.world, batch, segments, -1).transpose(0, 1).unsqueeze(1)  # [B, 1, P, S, X]
-        mask = _reach_mask(self.world, self.rank, self.kernels.causal, before, flat.device)  # [S, P, S]
-        sums = (theirs * mask[None, :, :, :, None]).sum((2, 3))  # [B, S, X] (the products by 0 and 1 exact)
-        it = iter(part.reshape(t.shape) for part, t in zip(sums.split(widths, dim=2), present, strict=True))
-        return tuple(None if t is None else next(it) for t in totals)
+        batch = totals.shape[0] // (segments * hkv)
+        rows = totals.new_empty(self.world * totals.numel())
+        gather_into(rows, totals.view(-1), group=self.group)
+        return incoming_sums(rows, batch, segments, self.world, self.rank, self.kernels.causal, before)
 
 
 class FactorizedContextParallel(torch.autograd.Function):
@@ -886,10 +870,11 @@ class FactorizedContextParallel(torch.autograd.Function):
         (h, vec, wsum), totals = kernels.key_states(k2, v2, w2, steps if causal else 1, steps, causal, q.dtype,
                                                     totals=True)
         incoming = plan.exchange(totals, k.shape[1], before=True)
-        o, o_out = plan.result(q)
+        o, o_out = plan.result(q.shape, q.dtype, q.device)
         o2, z2 = kernels.factorized_output(q2, k2, v2, w2, plan.scale, h, vec, wsum, out=o_out, incoming=incoming)
         o = plan.join(o2) if o is None else o
-        ctx.save_for_backward(q, k, v, w, o, z2, h, vec, *incoming[:2])
+        ctx.save_for_backward(q2, k2, v2, w2, o2, z2, h, vec, incoming)  # (the split views: no split again)
+        ctx.inputs = tuple((x.shape, x.dtype, x.device) for x in (q, k, v))
         ctx.plan = plan
         return o
 
@@ -897,15 +882,12 @@ class FactorizedContextParallel(torch.autograd.Function):
     def backward(ctx: Any, do: torch.Tensor) -> tuple:  # type: ignore[override]
         plan: Segments = ctx.plan
         kernels = plan.kernels
-        q, k, v, w, o, z2, h, vec, h_in, vec_in = ctx.saved_tensors
-        q2, k2, v2, o2, do2 = (plan.split(x) for x in (q, k, v, o, do))
-        w2 = None if w is None else plan.split(w)
+        q2, k2, v2, w2, o2, z2, h, vec, incoming = ctx.saved_tensors
+        do2 = plan.split(do)
         hkv = k2.shape[1]
-        dq, dq_out = plan.result(q)
-        dk, dk_out = plan.result(k)
-        dv, dv_out = plan.result(v)
+        (dq, dq_out), (dk, dk_out), (dv, dv_out) = (plan.result(*like) for like in ctx.inputs)
         dq2, delta = kernels.factorized_dq(do2, q2, k2, v2, o2, (z2, h, vec), w2, plan.scale, out=dq_out,
-                                           incoming=(h_in, vec_in))
+                                           incoming=incoming)
         n_states, n_steps = kernels.states(q2.shape[2], k2.shape[2], kernels.chunk)[2:]
         (hb, vecb), totals = kernels.query_states(q2, do2, z2, delta, hkv, n_states, n_steps, kernels.causal,
                                                   q2.dtype, totals=True)
