@@ -412,7 +412,7 @@ def fact_dq_kernel(
         t = 0
     state = bhk.to(tl.int64) * N_STATES + t
     h_base = H + state * (2 * HEAD_DIM * HEAD_DIM)
-    inc_h, inc_vec, _ = _total_row(INC, bhk, HEAD_DIM)
+    inc_h, inc_vec, _inc_w = _total_row(INC, bhk, HEAD_DIM)
     if C1 != 0.0:
         g = (do.to(tl.float32) * inv_b[:, None]).to(do.dtype)
         st = _state_block(h_base, inc_h, offs_d[None, :] * (2 * HEAD_DIM) + offs_d[:, None], HAS_INCOMING)  # S^T
@@ -521,7 +521,7 @@ def fact_state_bwd_kernel(
     """One program per (column block of [G | delta Q], row block of D, batch * kv head)."""
     _, pid_r, _, off_b, off_hk, col0, offs_r, offs_c, h_ptrs, vec_ptrs = _state_program(
         H, VEC, HQ, GROUP, N_STATES, HEAD_DIM, BK, BV)
-    tot_ptrs, tot_vec_ptrs, _ = _total_ptrs(TOT, HEAD_DIM, col0, offs_r, offs_c)
+    tot_ptrs, tot_vec_ptrs, _tot_w = _total_ptrs(TOT, HEAD_DIM, col0, offs_r, offs_c)
     store_vec = pid_r == 0
     r_ok = _in_head(offs_r, HEAD_DIM, D)
     if col0 < HEAD_DIM:  # G = dO / b(z) columns: A
@@ -586,7 +586,7 @@ def fact_dkdv_kernel(
     # is rounded again), then the own chunk's scores accumulate into them
     state = bhk.to(tl.int64) * N_STATES + t
     h_base = HB + state * (2 * HEAD_DIM * HEAD_DIM)
-    inc_h, inc_vec, _ = _total_row(INC, bhk, HEAD_DIM)
+    inc_h, inc_vec, _inc_w = _total_row(INC, bhk, HEAD_DIM)
     if C1 != 0.0:
         a = _state_block(h_base, inc_h, offs_d[:, None] * (2 * HEAD_DIM) + offs_d[None, :], HAS_INCOMING)  # A
         dv = _dot(k, a, None, PRECISION) * (C1 * scale)
