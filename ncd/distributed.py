@@ -31,8 +31,10 @@ group itself where it has gloo): an NCCL gather that the host reads would wait f
 
 from __future__ import annotations
 
+import functools
 import inspect
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,7 +97,7 @@ def context_parallel_attention(op: Any, *args: Any, group: Any = None, **kwargs:
     whole = _whole_key_tensors(runtime, call.arguments)
     for name, (tensor, dim, n_k) in whole.items():  # the op checks a view at this rank's key length
         call.arguments[name] = tensor.narrow(dim, 0, min(n_k, tensor.shape[dim]))
-    sharding = _check_context_shards(runtime, call.arguments, group, whole)
+    sharding = _check_context_shards(runtime, call.arguments, group, whole, wait=False)
     return fn(*call.args, _group=sharding, **call.kwargs)
 
 
@@ -127,11 +129,12 @@ def _shown(kind: int, bits: int) -> str:
 
 
 def _check_context_shards(runtime: AttentionOp, given: dict, group: Any,
-                          whole: dict[str, tuple[torch.Tensor, int, int]] | None = None) -> Sharding:
+                          whole: dict[str, tuple[torch.Tensor, int, int]] | None = None, wait: bool = True) -> Sharding:
     """Every rank's tensors against rank 0's: the same dtypes and sizes but in the query and key axes (causal: those
     too, an even length: the zigzag's two chunks), each passing the op's own checks. One all_gather of every rank's
     shapes and dtypes (and, only where a rank failed its own checks, one all_gather_object of the messages); a
-    problem anywhere raises the same CallError on every rank. Returns the group with every rank's lengths."""
+    problem anywhere raises the same CallError on every rank. Returns the group with every rank's lengths; wait
+    False: with the gather under way where this rank passed its own checks (Sharding.confirm awaits it)."""
     tensors = [(name, given.get(name), axes) for name, axes in runtime.inputs]
     problem: Exception | None = None
     try:
@@ -148,8 +151,39 @@ def _check_context_shards(runtime: AttentionOp, given: dict, group: Any,
     scalars = [(name, given.get(name)) for name in runtime.mod_scalars]
     for _, value in scalars:  # what a mask or score reads besides positions: alike on every rank
         record += [int(isinstance(value, torch.Tensor)), _bits(value)]
+    whole_tuple = tuple((name, tensor) for name, (tensor, _, _) in whole.items())
     host = _host_group(group)
-    table = _gather_records(record, host)
+    gathered = _post_records(record, host)
+    finish = functools.partial(_compare_context_shards, runtime, tensors, scalars, whole, problem, gathered, host)
+    if wait or problem is not None:
+        return Sharding(group, finish(), whole_tuple)
+    return Sharding(group, None, whole_tuple, _once(finish))
+
+
+def _once(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn, called at most once: later calls return its result or raise its error again."""
+    outcome: list = []
+
+    def call() -> Any:
+        if not outcome:
+            try:
+                outcome.append((True, fn()))
+            except Exception as error:
+                outcome.append((False, error))
+        done, value = outcome[0]
+        if not done:
+            raise value
+        return value
+
+    return call
+
+
+def _compare_context_shards(runtime: AttentionOp, tensors: list, scalars: list, whole: dict,
+                            problem: Exception | None, gathered: Callable[[], list[list[int]]],
+                            host: Any) -> tuple[tuple[int, int], ...]:
+    """_check_context_shards' verdict on the records (`gathered` awaits them): every rank's (query, key) lengths,
+    or its CallError (the failing ranks' own messages gathered over `host`)."""
+    table = gathered()
     if any(row[0] for row in table):  # the failing ranks' own messages, to every rank
         messages: list[Any] = [None] * len(table)
         text = problem.message if isinstance(problem, CallError) else str(problem)
@@ -196,7 +230,7 @@ def _check_context_shards(runtime: AttentionOp, given: dict, group: Any,
                 raise CallError(None, detail=f"rank {r}: {name} has axis '{k_axis}' of size {size}; under context "
                                 f"parallelism a tensor over both '{q_axis}' and '{k_axis}' holds this rank's "
                                 f"'{q_axis}' positions against every '{k_axis}' position: {total}")
-    return Sharding(group, tuple(lengths), tuple((name, tensor) for name, (tensor, _, _) in whole.items()))
+    return tuple(lengths)
 
 
 def sequence_parallel_chunk(op: Any, *args: Any, group: Any = None, **kwargs: Any) -> tuple:
@@ -477,10 +511,20 @@ def _host_group(group: Any) -> Any:
 
 def _gather_records(record: list[int], group: Any) -> list[list[int]]:
     """Every rank's record (int64, one length on every rank), in rank order, gathered on the host over `group`."""
+    return _post_records(record, group)()
+
+
+def _post_records(record: list[int], group: Any) -> Callable[[], list[list[int]]]:
+    """_gather_records, posted: returns what awaits the gather (gloo runs it on its own threads meanwhile)."""
     mine = torch.tensor(record, dtype=torch.int64)
     rows = torch.empty(dist.get_world_size(group) * len(record), dtype=torch.int64)
-    gather_into(rows, mine, group=group)
-    return rows.view(-1, len(record)).tolist()
+    work = gather_into(rows, mine, group=group, async_op=True)
+
+    def result() -> list[list[int]]:
+        work.wait()
+        return rows.view(-1, len(record)).tolist()
+
+    return result
 
 
 def _axis_name(axes: tuple, axis: int) -> str:

@@ -249,19 +249,42 @@ def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    op = _load(name, cache)
-    x = _inputs(name, 6)
-    half = {n: t.to(torch.bfloat16) for n, t in x.items()}
-    cases = [({"K": x["K"][:, :1]}, r"rank 1: K: axis 'head' has size 1, but Q has 2"),  # the op's own check
-             ({"V": x["V"].double()}, r"rank 1: V has dtype torch\.float64; expected"),
-             (half, r"rank 1: Q has dtype torch\.bfloat16, rank 0's torch\.float32"),
-             ({n: x[n].repeat(1, 1, 2, 1)[:, :, :10] for n in "QKV"},
-              r"rank 1: Q has axis 'query' of size 10, rank 0's 6: causal context parallelism takes two equal"),
-             ({n: x[n][:, :1] for n in "QKV"}, r"rank 1: Q has axis 'head' of size 1, rank 0's 2 \(shards differ")]
-    for bad, message in cases:
+    def cases(x: dict) -> list:
+        half = {n: t.to(torch.bfloat16) for n, t in x.items()}
+        return [({"K": x["K"][:, :1]}, r"rank 1: K: axis 'head' has size 1, but Q has 2"),  # the op's own check
+                ({"V": x["V"].double()}, r"rank 1: V has dtype torch\.float64; expected"),
+                (half, r"rank 1: Q has dtype torch\.bfloat16, rank 0's torch\.float32"),
+                ({n: x[n].repeat(1, 1, 2, 1)[:, :, :10] for n in "QKV"},
+                 r"rank 1: Q has axis 'query' of size 10, rank 0's 6: causal context parallelism takes two equal"),
+                ({n: x[n][:, :1] for n in "QKV"}, r"rank 1: Q has axis 'head' of size 1, rank 0's 2 \(shards differ")]
+
+    op, x = _load(name, cache), _inputs(name, 6)
+    for bad, message in cases(x):
         given = dict(x, **bad) if rank == 1 else x
         with pytest.raises(CallError, match=message):
             context_parallel_attention(op, **given)
+    # causal, factorized: the check's gather runs while the first scan is queued, awaited before the first
+    # collective; the same wrong shards fail on every rank there too
+    from ncd import distributed
+    from ncd.families.attention.kernel_chunked import FactorizedAttentionKernels
+
+    factorized, y = _load("causal_spherical_attention+factorized", cache), _inputs("causal_spherical_attention", 6)
+    order: list[str] = []
+    key_states, post = FactorizedAttentionKernels.key_states, distributed._post_records
+    FactorizedAttentionKernels.key_states = lambda *a, **k: order.append("scan") or key_states(*a, **k)
+    distributed._post_records = lambda *a: (lambda wait: lambda: order.append("awaited") or wait())(post(*a))
+    try:
+        for bad, message in cases(y):
+            given = dict(y, **bad) if rank == 1 else y
+            with pytest.raises(CallError, match=message):
+                context_parallel_attention(factorized, **given)
+        whole = _inputs("causal_spherical_attention", 12)
+        order.clear()
+        got = context_parallel_attention(factorized, **{n: zigzag_shard(t, 2, rank, world) for n, t in whole.items()})
+        assert order == ["scan", "awaited"], order
+    finally:
+        FactorizedAttentionKernels.key_states, distributed._post_records = key_states, post
+    assert _rel(got, zigzag_shard(factorized(**whole), 2, rank, world)) < 1e-5
     with pytest.raises(CallError, match="return_lse under context parallelism runs on the ring"):
         context_parallel_attention(_load("causal_spherical_attention+factorized", cache), **x, return_lse=True)
     # what the ring does not carry is refused before any collective, on each rank alone

@@ -806,13 +806,15 @@ class Segments:
     2P - 1 - r. The segments run as one batch (2B rows: `split`), each from its own states raised by the totals of
     the segments before it (the backward's: after it; without a mask: every other segment), gathered once each
     way. The scans store each segment's total in fp32 as well, and the kernels that read the states add the
-    incoming sums as they load them: no pass over the states, no second pass over the keys."""
+    incoming sums as they load them: no pass over the states, no second pass over the keys. confirm: the shard
+    check still under way (Sharding.confirm), awaited after the first scan is queued, before the first collective."""
 
     kernels: Any  # FactorizedAttentionKernels
     scale: float
     group: Any
     rank: int
     world: int
+    confirm: Callable[[], Any] | None = None
 
     @property
     def places(self) -> list[int]:
@@ -869,6 +871,8 @@ class FactorizedContextParallel(torch.autograd.Function):
         causal = kernels.causal  # (the state before each chunk; else the total alone)
         (h, vec, wsum), totals = kernels.key_states(k2, v2, w2, steps if causal else 1, steps, causal, q.dtype,
                                                     totals=True)
+        if plan.confirm is not None:  # (a shard that disagrees raises here, on every rank, before any collective)
+            plan.confirm()
         incoming = plan.exchange(totals, k.shape[1], before=True)
         o, o_out = plan.result(q.shape, q.dtype, q.device)
         o2, z2 = kernels.factorized_output(q2, k2, v2, w2, plan.scale, h, vec, wsum, out=o_out, incoming=incoming)
@@ -903,11 +907,20 @@ class Sharding:
     """A process group (None: the world) and every rank's (query, key) shard lengths, as ncd.distributed's shard
     check gathered them: the op then needs no collective of its own to size its transfers. whole: the tensors over
     both the query and the key axis, by name, holding this rank's queries against every key (the op was given
-    views cut to this rank's key length, for its shape checks)."""
+    views cut to this rank's key length, for its shape checks). pending: the check still under way (lengths None):
+    it returns the lengths or raises the check's CallError, the same on every rank."""
 
     group: Any
-    lengths: tuple[tuple[int, int], ...]
+    lengths: tuple[tuple[int, int], ...] | None
     whole: tuple[tuple[str, torch.Tensor], ...] = ()
+    pending: Callable[[], tuple[tuple[int, int], ...]] | None = None
+
+    def confirm(self) -> tuple[tuple[int, int], ...]:
+        """Every rank's lengths, once the check has passed."""
+        if self.pending is not None:
+            return self.pending()
+        assert self.lengths is not None
+        return self.lengths
 
 
 def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -923,12 +936,22 @@ def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor
     logits (or None: a constant place) and (dims, place, u, u'), for the ring (Ring). return_lse: (o, lse).
     modifiers: the score and mask hooks' inputs; they run on the ring, with the zigzag layout where a mask hides
     pairs, else with shards in rank order (any lengths)."""
-    table = None
-    if isinstance(group, Sharding):
-        group, table = group.group, list(group.lengths)
+    table, sharding = None, group if isinstance(group, Sharding) else None
+    if sharding is not None:
+        group = sharding.group
     group = group if group is not dist.GroupMember.WORLD else None
     world = dist.get_world_size(group)
-    if table is None:
+    rank = dist.get_rank(group)
+    if (sharding is not None and sharding.lengths is None and kernels.causal and modifiers is None
+            and factorized is not None and factorized(world * q.shape[2], world * k.shape[2])):
+        # causal shards are alike on every rank once the check passes: the factorized form runs while the check
+        # is under way, and awaits it before its first collective (Segments.confirm)
+        _refuse_on_factorized(kernels.name, w, return_lse)
+        plan = Segments(kernels, float(scale), group, rank, world, sharding.confirm)
+        return FactorizedContextParallel.apply(q, k, v, w, plan)
+    if sharding is not None:
+        table = list(sharding.confirm())
+    else:
         mine = torch.tensor([q.shape[2], k.shape[2]], dtype=torch.int64, device=q.device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=group)
@@ -940,14 +963,8 @@ def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor
                                 f"rank 0's {table[0][0]} and {table[0][1]}: {'causal' if kernels.causal else 'masked'}"
                                 " context parallelism takes two equal chunks of queries and keys per rank, the same "
                                 "on every rank (ncd.distributed.zigzag_shard)")
-    rank = dist.get_rank(group)
     if modifiers is None and factorized is not None and factorized(sum(n for n, _ in table), sum(n for _, n in table)):
-        wanted = "return_lse" if return_lse else "a per-key weight that requires grad" if (
-            w is not None and w.requires_grad) else None
-        if wanted is not None:
-            raise CallError(None, detail=f"{kernels.name}: {wanted} under context parallelism runs on the ring, "
-                            "and at these lengths the op runs its factorized form: load the op with "
-                            "factorize='never' (Op.with_config) to take it")
+        _refuse_on_factorized(kernels.name, w, return_lse)
         return FactorizedContextParallel.apply(q, k, v, w, Segments(kernels, float(scale), group, rank, world))
     lengths = tuple((int(n_q), int(n_k)) for n_q, n_k in table)
     calls, halo = None, None
@@ -961,6 +978,16 @@ def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor
                 modifiers, calls, halo)
     o, lse = RingAttention.apply(q, k, v, w, sink, ring, *(modifiers.tensors if modifiers is not None else ()))
     return (o, lse) if return_lse else o
+
+
+def _refuse_on_factorized(name: str, w: torch.Tensor | None, return_lse: bool) -> None:
+    """What the factorized form's context parallelism does not carry, refused on each rank alone."""
+    wanted = "return_lse" if return_lse else "a per-key weight that requires grad" if (
+        w is not None and w.requires_grad) else None
+    if wanted is not None:
+        raise CallError(None, detail=f"{name}: {wanted} under context parallelism runs on the ring, and at these "
+                        "lengths the op runs its factorized form: load the op with factorize='never' "
+                        "(Op.with_config) to take it")
 
 
 def zigzag_shard(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
