@@ -793,22 +793,6 @@ def _places(rank: int, world: int, causal: bool) -> list[int]:
     return [rank, 2 * world - 1 - rank] if causal else [rank]
 
 
-_RECEIVING: dict[tuple, torch.Tensor] = {}
-
-
-def _receiving(numel: int, device: torch.device) -> torch.Tensor:
-    """An fp32 buffer that an exchange's all_gather fills, kept per size, device and stream: the next gather into
-    it waits (on the stream) for the kernel that read it, and a fresh buffer costs the host more per call."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (numel, device, stream)
-    rows = _RECEIVING.get(key)
-    if rows is None:
-        if len(_RECEIVING) >= 16:  # (a stream of new sizes must not pile up)
-            _RECEIVING.clear()
-        rows = _RECEIVING[key] = torch.empty(numel, dtype=torch.float32, device=device)
-    return rows
-
-
 # torch 2.13 renamed all_gather_into_tensor (the old name warns there)
 gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -869,7 +853,7 @@ class Segments:
         row of split's order and kv head: key_states'), in the same layout: one all_gather and one kernel."""
         segments = len(self.places)
         batch = totals.shape[0] // (segments * hkv)
-        rows = _receiving(self.world * totals.numel(), totals.device)
+        rows = totals.new_empty(self.world * totals.numel())
         gather_into(rows, totals.view(-1), group=self.group)
         return incoming_sums(rows, batch, segments, self.world, self.rank, self.kernels.causal, before)
 
