@@ -263,7 +263,7 @@ def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None
         given = dict(x, **bad) if rank == 1 else x
         with pytest.raises(CallError, match=message):
             context_parallel_attention(op, **given)
-    # causal, factorized: the check's gather runs while the first scan is queued, awaited before the first
+    # the factorized form: the check's gather runs while the first scan is queued, awaited before the first
     # collective; the same wrong shards fail on every rank there too
     from ncd import distributed
     from ncd.families.attention.kernel_chunked import FactorizedAttentionKernels
@@ -278,13 +278,18 @@ def _bad_shards(rank: int, world: int, name: str, init: str, cache: str) -> None
             given = dict(y, **bad) if rank == 1 else y
             with pytest.raises(CallError, match=message):
                 context_parallel_attention(factorized, **given)
-        whole = _inputs("causal_spherical_attention", 12)
-        order.clear()
-        got = context_parallel_attention(factorized, **{n: zigzag_shard(t, 2, rank, world) for n, t in whole.items()})
-        assert order == ["scan", "awaited"], order
+        for name in ("causal_spherical_attention", "spherical_attention"):  # (zigzag shards; 5 and 7 positions)
+            op, whole = _load(f"{name}+factorized", cache), _inputs(name, 12)
+            mine = {n: zigzag_shard(t, 2, rank, world) if "causal" in name else t[:, :, (0, 5)[rank]:(5, 12)[rank]]
+                    for n, t in whole.items()}
+            order.clear()
+            got = context_parallel_attention(op, **mine)
+            assert order == ["scan", "awaited"], (name, order)
+            want = op(**whole)
+            want = zigzag_shard(want, 2, rank, world) if "causal" in name else want[:, :, (0, 5)[rank]:(5, 12)[rank]]
+            assert _rel(got, want) < 1e-5, (name, _rel(got, want))
     finally:
         FactorizedAttentionKernels.key_states, distributed._post_records = key_states, post
-    assert _rel(got, zigzag_shard(factorized(**whole), 2, rank, world)) < 1e-5
     with pytest.raises(CallError, match="return_lse under context parallelism runs on the ring"):
         context_parallel_attention(_load("causal_spherical_attention+factorized", cache), **x, return_lse=True)
     # what the ring does not carry is refused before any collective, on each rank alone

@@ -942,10 +942,13 @@ def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor
     group = group if group is not dist.GroupMember.WORLD else None
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    if (sharding is not None and sharding.lengths is None and kernels.causal and modifiers is None
-            and factorized is not None and factorized(world * q.shape[2], world * k.shape[2])):
-        # causal shards are alike on every rank once the check passes: the factorized form runs while the check
-        # is under way, and awaits it before its first collective (Segments.confirm)
+    # the fewest positions in all that the check can pass with (causal: shards alike; else one or more a rank):
+    # where even these take the factorized form, it runs while the check is under way and awaits it before its
+    # first collective (Segments.confirm; the form grows more favourable with length)
+    least = (world * q.shape[2], world * k.shape[2]) if kernels.causal else (q.shape[2] + world - 1,
+                                                                            k.shape[2] + world - 1)
+    if (sharding is not None and sharding.lengths is None and modifiers is None and factorized is not None
+            and factorized(*least)):
         _refuse_on_factorized(kernels.name, w, return_lse)
         plan = Segments(kernels, float(scale), group, rank, world, sharding.confirm)
         return FactorizedContextParallel.apply(q, k, v, w, plan)
