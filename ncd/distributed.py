@@ -76,9 +76,10 @@ def context_parallel_attention(op: Any, *args: Any, group: Any = None, **kwargs:
       rank's keys, from every rank's queries.
 
     Returns the op's output on this rank's queries. Gradients reach every rank's inputs; every rank must run the
-    backward (it is a ring too). The shards are checked first, together (one all_gather): a rank whose shard
-    disagrees with rank 0's, or fails the op's own checks, raises the same CallError on every rank, naming the rank,
-    the tensor and the axis. Sinks, return_lse and a per-key weight's gradient are carried (the latter two on the
+    backward (it is a ring too). The shards are checked together (one all_gather on the host, before the op's
+    first collective; the factorized form queues its first scan meanwhile): a rank whose shard disagrees with rank
+    0's, or fails the op's own checks, raises the same CallError on every rank, naming the rank, the tensor and the
+    axis. Sinks, return_lse and a per-key weight's gradient are carried (the latter two on the
     ring only: CallError where the op would run its factorized form), and score and mask modifiers (on the ring; a
     mask whose rows see only nearby keys, such as a sliding window, by a halo exchange of those keys); the gradient
     of a tensor over the key axis alone travels home with the keys' dK/dV. A tensor over both the query and key axes

@@ -928,9 +928,10 @@ def context_parallel(kernels: AttentionKernels, q: torch.Tensor, k: torch.Tensor
                      factorized: Callable[[int, int], bool] | None = None, *, sink: torch.Tensor | None = None,
                      sink_spec: tuple | None = None, stat_rate: float = 0.0, return_lse: bool = False,
                      modifiers: RingModifiers | None = None) -> Any:
-    """The op's o on this rank's shard of queries (kernel layout [B, Hq, Nq, D]) against every rank's keys. One
-    all_gather of every rank's (Nq, Nk) sizes the transfers (ncd.distributed checked the shards before the op ran);
-    causal: the same even length for queries and keys on every rank, else the same CallError on every rank. names:
+    """The op's o on this rank's shard of queries (kernel layout [B, Hq, Nq, D]) against every rank's keys. Every
+    rank's (Nq, Nk) sizes the transfers: from group, a Sharding (ncd.distributed's shard check, maybe still under
+    way: Sharding.confirm), else one all_gather of its own. Causal: the same even length for queries and keys on
+    every rank, else the same CallError on every rank. names:
     the spec's names of q and k. factorized(total Nq, total Nk): whether the op would run its factorized form on one
     device at those lengths; then the states' form (Segments) runs instead of the ring. sink, sink_spec: the sink's
     logits (or None: a constant place) and (dims, place, u, u'), for the ring (Ring). return_lse: (o, lse).
