@@ -640,7 +640,8 @@ def fact_dkdv_kernel(
 
 @triton.jit
 def _place(rank, segment, WORLD, CAUSAL: tl.constexpr):
-    """A segment's place among all ranks' pieces: the zigzag's chunks rank and 2 P - 1 - rank, or the rank."""
+    """A segment's place among all ranks' pieces: the zigzag's chunks rank and 2 P - 1 - rank, or the rank (as
+    ring.py's _places, on the host)."""
     if CAUSAL:
         return tl.where(segment == 0, rank, 2 * WORLD - 1 - rank)
     return rank
